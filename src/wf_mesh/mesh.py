@@ -41,6 +41,8 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # the main backend is not gloo itself.
 GLOO_COMPANIONS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp"}
 
+_AXIS_BY_MEMBERS = {frozenset([a]): a for a in AXES} | {frozenset(m): n for n, m in DERIVED_AXES.items()}
+
 _current: ParallelMesh | None = None
 _destroy_hooks: list[Callable[[], None]] = []
 
@@ -94,10 +96,10 @@ class ParallelMesh:
         if axis in self._axes:
             return axis
         try:
-            names = parse_axes(axis)
+            members = frozenset(parse_axes(axis))
         except ValueError:
-            names = ()
-        key = "_".join(a for a in AXES if a in names) if len(names) > 1 else "".join(names)
+            members = frozenset()
+        key = _AXIS_BY_MEMBERS.get(members)
         if key not in self._axes:
             raise KeyError(f"unknown mesh axis {axis!r}; valid axes are {list(self._axes)}")
         return key

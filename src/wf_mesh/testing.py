@@ -141,15 +141,15 @@ class LocalCluster:
                 raise RuntimeError(f"worker {rank} failed to start: {reply}")
         return self
 
-    def shutdown(self) -> None:
-        """Stop every worker (politely, then by force)."""
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every worker: politely (they finish the current function), or at once with ``force``."""
         for conn in self._conns:
             try:
                 conn.send(None)
-            except (OSError, BrokenPipeError):
+            except OSError:
                 pass
         for proc in self._procs:
-            proc.join(timeout=5)
+            proc.join(timeout=0 if force else 5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -189,8 +189,9 @@ class LocalCluster:
                 try:
                     replies[rank] = pending.pop(rank).recv()
                 except EOFError:
+                    self._procs[rank].join(timeout=5)
                     code = self._procs[rank].exitcode
-                    self.shutdown()
+                    self.shutdown(force=True)
                     raise RuntimeError(
                         f"rank {rank} of {self.world_size} died during {what} (exit code {code}); "
                         "the cluster will restart on the next call"
@@ -198,7 +199,7 @@ class LocalCluster:
                 if replies[rank][0] == "error":  # others may be stuck in a collective with it
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE)
         if pending:
-            self.shutdown()
+            self.shutdown(force=True)
             if any(r is not None and r[0] == "error" for r in replies):
                 return replies  # the caller raises the real error
             raise TimeoutError(

@@ -1,0 +1,180 @@
+"""Pure topology: ParallelDims against DESIGN §2 and an independent Megatron-style reference."""
+
+import itertools
+import math
+
+import pytest
+
+from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
+
+TOKENS = ["tp", "cp", "pp", "dp", "tp-cp", "dp-cp", "tp-pp", "tp-cp-dp", "tp-dp", "cp-pp", "tp-cp-pp-dp"]
+
+
+def megatron_groups(world_size, sizes, mask):
+    """Megatron-LM's generate_masked_orthogonal_rank_groups, written out independently."""
+
+    def prefix_product(a):
+        out, acc = [1], 1
+        for v in a:
+            acc *= v
+            out.append(acc)
+        return out
+
+    def decompose(index, shape):
+        return [(index // d) % s for s, d in zip(shape, prefix_product(shape))]
+
+    def inner(a, b):
+        return sum(x * y for x, y in zip(a, b))
+
+    stride = prefix_product(sizes)
+    masked_shape = [s for s, m in zip(sizes, mask) if m]
+    unmasked_shape = [s for s, m in zip(sizes, mask) if not m]
+    masked_stride = [d for d, m in zip(stride, mask) if m]
+    unmasked_stride = [d for d, m in zip(stride, mask) if not m]
+    group_size = math.prod(masked_shape)
+    return [
+        [
+            inner(decompose(i, masked_shape), masked_stride) + inner(decompose(g, unmasked_shape), unmasked_stride)
+            for i in range(group_size)
+        ]
+        for g in range(world_size // group_size)
+    ]
+
+
+def factorisations(n):
+    for tp, cp, pp in itertools.product([1, 2, 4, 8], repeat=3):
+        if n % (tp * cp * pp) == 0:
+            yield tp, cp, pp, n // (tp * cp * pp)
+
+
+ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_factorisation_of_8_matches_megatron(order):
+    for tp, cp, pp, dp in factorisations(8):
+        dims = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp, order=order)
+        names = order.split("-")
+        sizes = [getattr(dims, a) for a in names]
+        for token in TOKENS:
+            mask = [a in token.split("-") for a in names]
+            expected = megatron_groups(8, sizes, mask)
+            assert dims.groups(token) == expected, (dims, token)
+            for rank in range(8):
+                group = dims.group_of(token, rank)
+                assert group in expected and rank in group
+
+
+# DESIGN §2 worked examples, order tp-cp-pp-dp.
+TABLE = {
+    (1, 4, 2, 1): {
+        "tp": [[r] for r in range(8)],
+        "cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp": [[r] for r in range(8)],
+        "tp-cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "dp-cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "tp-pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    },
+    (1, 2, 2, 2): {
+        "tp": [[r] for r in range(8)],
+        "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "tp-cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp-cp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+        "tp-pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    },
+    (2, 2, 2, 1): {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp": [[r] for r in range(8)],
+        "tp-cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "dp-cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "tp-pp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    },
+}
+
+
+@pytest.mark.parametrize("degrees", list(TABLE))
+def test_design_table(degrees):
+    tp, cp, pp, dp = degrees
+    dims = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp)
+    for token, groups in TABLE[degrees].items():
+        assert dims.groups(token) == groups, token
+
+
+def test_derived_axis_names_are_tokens():
+    dims = ParallelDims(tp=2, cp=2, pp=2).resolve(16)
+    for name, members in DERIVED_AXES.items():
+        assert dims.groups(name) == dims.groups("-".join(members))
+    assert dims.groups("dp-cp") == dims.groups("cp-dp")  # inside-group order follows `order`, not the token
+
+
+def test_rank_arithmetic_round_trips():
+    dims = ParallelDims(tp=2, cp=3, pp=2, order="cp-tp-dp-pp").resolve(24)
+    assert dims.mesh_dim_names == ("pp", "dp", "tp", "cp")
+    assert dims.mesh_shape == (2, 2, 2, 3)
+    assert dims.strides() == {"cp": 1, "tp": 3, "dp": 6, "pp": 12}
+    for rank in range(24):
+        assert dims.rank_of(**dims.coords(rank)) == rank
+    assert dims.rank_grid().flatten().tolist() == list(range(24))
+    assert dims.rank_of(tp=1, pp=1) == 15
+
+
+def test_dp_inferred_and_missing_axes_appended():
+    dims = ParallelDims(tp=2, order="tp-cp").resolve(8)
+    assert (dims.dp, dims.order, dims.world_size) == (4, "tp-cp-pp-dp", 8)
+    assert ParallelDims().resolve(1).world_size == 1
+    assert (dims.tp_enabled, dims.cp_enabled, dims.pp_enabled, dims.dp_enabled) == (True, False, False, True)
+
+
+def test_size_one_world():
+    dims = ParallelDims().resolve(1)
+    for token in TOKENS:
+        assert dims.groups(token) == [[0]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, world, message",
+    [
+        (dict(tp=3), 8, "world_size=8 is not divisible by tp*cp*pp=3 (tp=3, cp=1, pp=1); cannot infer dp"),
+        (dict(tp=2, cp=2, pp=2, dp=2), 8, "tp*cp*pp*dp = 2*2*2*2 = 16 != world_size=8"),
+        (dict(tp=0), 8, "tp=0 must be >= 1 (dp may be -1 to infer it); tp=0, cp=1, pp=1, dp=-1"),
+        (dict(cp=-2), 8, "cp=-2 must be >= 1"),
+        (dict(order="tp-cp-xx-dp"), 8, "bad order 'tp-cp-xx-dp': unknown axes ['xx'], repeated axes []"),
+        (dict(order="tp-tp-pp-dp"), 8, "bad order 'tp-tp-pp-dp': unknown axes [], repeated axes ['tp']"),
+        (dict(cp=2, order="tp-pp-dp"), 8, "order 'tp-pp-dp' leaves out cp=2; an axis may be left out only if its degree is 1"),
+        (dict(), 0, "world_size=0 must be >= 1"),
+    ],
+)
+def test_validation_messages(kwargs, world, message):
+    with pytest.raises(ValueError) as info:
+        ParallelDims(**kwargs).resolve(world)
+    assert message in str(info.value)
+
+
+def test_type_and_lookup_errors():
+    with pytest.raises(TypeError, match="tp must be an int, got str '2'"):
+        ParallelDims(tp="2")
+    dims = ParallelDims(tp=2).resolve(4)
+    with pytest.raises(ValueError, match=r"unknown axis \['ep'\] in 'tp-ep'"):
+        dims.groups("tp-ep")
+    with pytest.raises(ValueError, match="repeats an axis"):
+        parse_axes("tp-tp")
+    with pytest.raises(ValueError, match="rank 4 out of range for world_size=4"):
+        dims.coords(4)
+    with pytest.raises(ValueError, match="tp coordinate 2 out of range for tp=2"):
+        dims.rank_of(tp=2)
+    with pytest.raises(ValueError, match=r"dp is still -1 .*call .resolve\(world_size\) first"):
+        ParallelDims(tp=2).world_size
+
+
+def test_plans_100k_ranks():
+    dims = ParallelDims(tp=8, cp=5, pp=5).resolve(100_000)
+    assert dims.dp == 500
+    groups = dims.groups("dp-cp")
+    assert len(groups) == 100_000 // 2500 and len(groups[0]) == 2500
+    assert groups[0][:6] == [0, 8, 16, 24, 32, 200]  # cp (stride 8) fastest, then dp (stride 200)
+    assert dims.group_of("dp-cp", 99_999) == groups[-1]
