@@ -51,7 +51,8 @@ def test_idempotent_when_initialized():
     config = {**CONFIG, "dp_size": 2}
     same, coords, message = run_distributed(4, dist_init_twice, config)[3]
     assert same and coords == {"tp": 0, "cp": 1, "pp": 0, "dp": 1}
-    assert message.startswith("dist_init: a mesh with different degrees is already initialized (ParallelDims(tp=1, cp=2")
+    assert message.startswith("dist_init: a different mesh is already initialized (ParallelDims(tp=1, cp=2, pp=1, dp=2")
+    assert "asked for ParallelDims(tp=1, cp=1, pp=1, dp=4" in message
 
 
 SCRIPT = """

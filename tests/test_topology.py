@@ -140,7 +140,7 @@ def test_size_one_world():
     "kwargs, world, message",
     [
         (dict(tp=3), 8, "world_size=8 is not divisible by tp*cp*pp=3 (tp=3, cp=1, pp=1); cannot infer dp"),
-        (dict(tp=2, cp=2, pp=2, dp=2), 8, "tp*cp*pp*dp = 2*2*2*2 = 16 != world_size=8"),
+        (dict(tp=2, cp=2, pp=2, dp=2), 8, "tp*cp*pp*dp = 16 != world_size=8 (tp=2, cp=2, pp=2, dp=2)"),
         (dict(tp=0), 8, "tp=0 must be >= 1 (dp may be -1 to infer it); tp=0, cp=1, pp=1, dp=-1"),
         (dict(cp=-2), 8, "cp=-2 must be >= 1"),
         (dict(order="tp-cp-xx-dp"), 8, "bad order 'tp-cp-xx-dp': unknown axes ['xx'], repeated axes []"),

@@ -20,7 +20,6 @@ import datetime
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -92,7 +91,6 @@ def release_meshes(root: DeviceMesh, flattened: Iterable[DeviceMesh], destroy_gr
 def register_fake_backend() -> None:
     """Register torch's ``fake`` backend (for topology checks at thousands of simulated ranks)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers on import)
-
 
 
 def destroy_subgroups() -> None:

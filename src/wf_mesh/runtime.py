@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from wf_mesh import parallel_state
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
+from wf_mesh.topology import ParallelDims
 
 __all__ = ["dist_init", "bind_local_device"]
 
@@ -55,7 +56,7 @@ def dist_init(config: Any) -> ParallelMesh:
 
     The config (attributes or a dict) provides ``distributed_backend`` (``"nccl"``, ``"gloo"``, or None to
     pick nccl with CUDA and gloo without), ``distributed_timeout_minutes``, ``cp_size``, ``pp_size``, and
-    optionally ``tp_size`` and ``dp_size`` (default 1). Rank and world size come from ``RANK`` and
+    optionally ``tp_size`` and ``dp_size`` (default 1) and ``order`` (default ``"tp-cp-pp-dp"``). Rank and world size come from ``RANK`` and
     ``WORLD_SIZE``; the rendezvous from ``MASTER_ADDR``/``MASTER_PORT`` (``env://``).
 
     Safe to call again: an initialized default group is reused, and an existing mesh with the same degrees
@@ -66,6 +67,8 @@ def dist_init(config: Any) -> ParallelMesh:
     timeout_minutes = _read(config, "distributed_timeout_minutes")
     cp, pp = int(_read(config, "cp_size")), int(_read(config, "pp_size"))
     tp, dp = int(_read(config, "tp_size", 1)), int(_read(config, "dp_size", 1))
+    order = _read(config, "order", "tp-cp-pp-dp")
+    wanted = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp, order=order)
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
@@ -93,12 +96,12 @@ def dist_init(config: Any) -> ParallelMesh:
     mesh = parallel_mesh_or_none()
     if mesh is None:
         parallel_state.initialize_model_parallel(
-            tp_size=tp, pp_size=pp, cp_size=cp, distributed_timeout_minutes=timeout_minutes
+            tp_size=tp, pp_size=pp, cp_size=cp, distributed_timeout_minutes=timeout_minutes, order=order
         )
-    elif (mesh.dims.tp, mesh.dims.cp, mesh.dims.pp) != (tp, cp, pp):
+    elif mesh.dims != wanted:
         raise RuntimeError(
-            f"dist_init: a mesh with different degrees is already initialized ({mesh.dims}); asked for "
-            f"tp={tp}, cp={cp}, pp={pp}; call destroy_model_parallel() first"
+            f"dist_init: a different mesh is already initialized ({mesh.dims}); asked for {wanted}; "
+            "call destroy_model_parallel() first"
         )
     # Hook for the pipeline issue: when pp > 1, create the PP scheduler here (init_pp_scheduler()).
     return get_parallel_mesh()

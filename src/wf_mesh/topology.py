@@ -117,8 +117,7 @@ class ParallelDims:
             return dataclasses.replace(self, dp=world_size // model)
         if model * self.dp != world_size:
             raise ValueError(
-                f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {model * self.dp} "
-                f"!= world_size={world_size}"
+                f"tp*cp*pp*dp = {model * self.dp} != world_size={world_size} ({self._factors()})"
             )
         return self
 
