@@ -6,13 +6,35 @@ Native API (mesh first):
     get_parallel_mesh      the current mesh (raises if none); parallel_mesh_or_none() returns None instead
     ParallelMesh           mesh[axis] -> DeviceMesh, .group/.rank/.size/.ranks(axis), .destroy()
 
+Context parallel (wf_mesh.context_parallel, wf_mesh.video):
+    shard_sequence / gather_sequence / broadcast_shard   Replicate <-> Shard(seq_dim) on the cp axis
+    find_split, plan_video_split -> VideoSplit           time-then-height CP plans for (B, C, T, H, W) latents
+
 Legacy API (drop-in for ``worldfoundry.core.distributed`` and Megatron/MAGI ``parallel_state``):
     initialize_model_parallel, destroy_model_parallel, model_parallel_is_initialized, dist_init,
-    is_last_rank, is_last_tp_cp_rank, print_rank_0, print_per_rank, and wf_mesh.parallel_state accessors.
+    is_last_rank, is_last_tp_cp_rank, print_rank_0, print_per_rank, split_inputs_cp, cat_outputs_cp,
+    cat_outputs_cp_with_grad, broadcast, broadcast_split_tensor, find_split, and wf_mesh.parallel_state
+    accessors.
 """
 
 from wf_mesh import parallel_state
-from wf_mesh.legacy import is_last_rank, is_last_tp_cp_rank
+from wf_mesh.collectives import ShapeMismatchError, broadcast
+from wf_mesh.context_parallel import (
+    IndivisibleSequenceError,
+    broadcast_shard,
+    find_split,
+    gather_sequence,
+    mesh_for_group,
+    shard_sequence,
+)
+from wf_mesh.legacy import (
+    broadcast_split_tensor,
+    cat_outputs_cp,
+    cat_outputs_cp_with_grad,
+    is_last_rank,
+    is_last_tp_cp_rank,
+    split_inputs_cp,
+)
 from wf_mesh.log import print_per_rank, print_rank_0
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, init_parallel, parallel_mesh_or_none
 from wf_mesh.parallel_state import (
@@ -22,6 +44,7 @@ from wf_mesh.parallel_state import (
 )
 from wf_mesh.runtime import dist_init
 from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims
+from wf_mesh.video import VideoSplit, plan_video_split
 
 __version__ = "0.1.0"
 
@@ -29,19 +52,33 @@ __all__ = [
     # native
     "AXES",
     "DERIVED_AXES",
+    "IndivisibleSequenceError",
     "ParallelDims",
     "ParallelMesh",
+    "ShapeMismatchError",
+    "VideoSplit",
+    "broadcast_shard",
+    "gather_sequence",
     "get_parallel_mesh",
     "init_parallel",
+    "mesh_for_group",
     "parallel_mesh_or_none",
     "parallel_state",
+    "plan_video_split",
+    "shard_sequence",
     # legacy
+    "broadcast",
+    "broadcast_split_tensor",
+    "cat_outputs_cp",
+    "cat_outputs_cp_with_grad",
     "destroy_model_parallel",
     "dist_init",
+    "find_split",
     "initialize_model_parallel",
     "is_last_rank",
     "is_last_tp_cp_rank",
     "model_parallel_is_initialized",
     "print_per_rank",
     "print_rank_0",
+    "split_inputs_cp",
 ]

@@ -1,0 +1,121 @@
+"""Context-parallel split of video latents ``(B, C, T, H, W)``: time first, then height (``find_split``).
+
+The cp ranks form a ``cp_t x cp_h`` grid (time-major): cp rank ``r`` holds the block
+``t in [i*T', (i+1)*T')``, ``h in [j*H', (j+1)*H')``, all of W, where ``i, j = divmod(r, cp_h)``. Its tokens
+are that block flattened ``(t h w)``. The GLOBAL sequence is the blocks laid end to end, so the shards are
+exactly ``Shard(1)`` of a ``(B, T*H*W, C)`` sequence and a CP gather followed by :meth:`VideoSplit.from_sequence`
+restores the latent. Position embeddings ``(T, H, W, D)`` are split with the same plan, token for token::
+
+    split = plan_video_split(latent.shape, cp_size=mesh.size("cp"))
+    tokens = split.shard(latent)               # (B, T'*H'*W, C), this rank's block, no collective
+    pos = split.shard_positions(pos_emb)       # (T'*H'*W, D), matching tokens
+    ...                                        # model on local tokens
+    video = split.gather(out_tokens)           # (B, C, T, H, W): one all-gather
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from einops import rearrange
+from torch.distributed.device_mesh import DeviceMesh
+
+from wf_mesh.context_parallel import GradRule, cp_mesh, find_split, gather_sequence
+from wf_mesh.mesh import ParallelMesh
+
+__all__ = ["VideoSplit", "plan_video_split"]
+
+_BLOCKS = "b c (nt t) (nh h) w -> b (nt nh t h w) c"
+_POS_BLOCKS = "(nt t) (nh h) w d -> (nt nh t h w) d"
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoSplit:
+    """A CP plan for latents of temporal/spatial size ``(t, h, w)`` over ``cp_t * cp_h`` ranks."""
+
+    t: int
+    h: int
+    w: int
+    cp_t: int
+    cp_h: int
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_t * self.cp_h
+
+    @property
+    def local_thw(self) -> tuple[int, int, int]:
+        """``(T', H', W)`` of each rank's block (what ``find_split`` returns)."""
+        return self.t // self.cp_t, self.h // self.cp_h, self.w
+
+    @property
+    def local_tokens(self) -> int:
+        t, h, w = self.local_thw
+        return t * h * w
+
+    def _block(self, cp_rank: int) -> tuple[slice, slice]:
+        lt, lh, _ = self.local_thw
+        i, j = divmod(cp_rank, self.cp_h)
+        return slice(i * lt, (i + 1) * lt), slice(j * lh, (j + 1) * lh)
+
+    def _check(self, shape: torch.Size, t_dim: int, what: str) -> None:
+        if tuple(shape[t_dim : t_dim + 3]) != (self.t, self.h, self.w):
+            raise ValueError(f"{what}: expected (T, H, W) = {(self.t, self.h, self.w)}, got shape {tuple(shape)}")
+
+    # ---- single-process views ------------------------------------------------------------------------
+    def to_sequence(self, latent: torch.Tensor) -> torch.Tensor:
+        """``(B, C, T, H, W)`` -> ``(B, T*H*W, C)`` in block order (the global CP sequence)."""
+        self._check(latent.shape, 2, "to_sequence")
+        return rearrange(latent, _BLOCKS, nt=self.cp_t, nh=self.cp_h)
+
+    def from_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_sequence`."""
+        lt, lh, _ = self.local_thw
+        return rearrange(tokens, "b (nt nh t h w) c -> b c (nt t) (nh h) w", nt=self.cp_t, nh=self.cp_h, t=lt, h=lh)
+
+    def positions_to_sequence(self, pos: torch.Tensor) -> torch.Tensor:
+        """Position embeddings ``(T, H, W, D)`` (or ``(T*H*W, D)`` in natural order) -> block order."""
+        return rearrange(self._pos_grid(pos), _POS_BLOCKS, nt=self.cp_t, nh=self.cp_h)
+
+    def _pos_grid(self, pos: torch.Tensor) -> torch.Tensor:
+        if pos.ndim == 2:
+            pos = pos.reshape(self.t, self.h, self.w, pos.shape[-1])
+        self._check(pos.shape, 0, "positions")
+        return pos
+
+    # ---- CP ------------------------------------------------------------------------------------------
+    def shard(self, latent: torch.Tensor, *, mesh: DeviceMesh | ParallelMesh | None = None) -> torch.Tensor:
+        """This cp rank's tokens ``(B, T'*H'*W, C)``: a slice of the latent, no collective, no full copy."""
+        self._check(latent.shape, 2, "shard")
+        mesh = self._mesh(mesh)
+        ts, hs = self._block(mesh.get_local_rank())
+        return rearrange(latent[:, :, ts, hs, :], "b c t h w -> b (t h w) c")
+
+    def shard_positions(self, pos: torch.Tensor, *, mesh: DeviceMesh | ParallelMesh | None = None) -> torch.Tensor:
+        """This cp rank's position embeddings ``(T'*H'*W, D)``, matching :meth:`shard` token for token."""
+        ts, hs = self._block(self._mesh(mesh).get_local_rank())
+        return rearrange(self._pos_grid(pos)[ts, hs], "t h w d -> (t h w) d")
+
+    def gather(
+        self, tokens: torch.Tensor, *, mesh: DeviceMesh | ParallelMesh | None = None, grad: GradRule = "replicate"
+    ) -> torch.Tensor:
+        """Every rank's tokens -> the full latent ``(B, C, T, H, W)``: one all-gather (see ``gather_sequence``)."""
+        full = gather_sequence(tokens, 1, mesh=self._mesh(mesh), grad=grad)
+        return self.from_sequence(full)
+
+    def _mesh(self, mesh: DeviceMesh | ParallelMesh | None) -> DeviceMesh:
+        mesh = cp_mesh(mesh)
+        if mesh.size() != self.cp_size:
+            raise ValueError(f"this VideoSplit plans {self.cp_size} cp ranks, the mesh has {mesh.size()}")
+        return mesh
+
+
+def plan_video_split(
+    shape: torch.Size | tuple[int, ...], cp_size: int, patch_values: tuple[int, int, int] = (1, 2, 2)
+) -> VideoSplit:
+    """Plan the CP split of a ``(B, C, T, H, W)`` latent with :func:`~wf_mesh.context_parallel.find_split`
+    (which also sets ``parallel_state.cp_size_t``). ValueError when ``cp_size`` cannot be placed on T and H."""
+    local_t, local_h, _ = find_split(shape, cp_size, patch_values)
+    _, _, t, h, w = (int(s) for s in shape)
+    return VideoSplit(t=t, h=h, w=w, cp_t=t // local_t, cp_h=h // local_h)

@@ -1,0 +1,324 @@
+"""Context parallel: native shard/gather/broadcast_shard and the legacy CP functions, on real gloo groups,
+compared with single-process references computed in the same test."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import wf_mesh
+from wf_mesh import parallel_state as ps
+from wf_mesh.context_parallel import chunk_sizes
+from wf_mesh.testing import run_distributed
+
+
+def sample(shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+# ---- round trips -------------------------------------------------------------------------------------
+def round_trip(tp, cp, pp, shape, seq_dim):
+    wf_mesh.initialize_model_parallel(tp_size=tp, cp_size=cp, pp_size=pp)
+    x = sample(shape)
+    with CommDebugMode() as split_comm:
+        dt = wf_mesh.shard_sequence(x, seq_dim)
+    with CommDebugMode() as gather_comm:
+        full = wf_mesh.gather_sequence(dt)
+    local = dt.to_local()
+    full_from_local = wf_mesh.gather_sequence(local, seq_dim, seq_len=x.shape[seq_dim])
+    return {
+        "local": local,
+        "placements": str(dt.placements),
+        "global_shape": tuple(dt.shape),
+        "full_equal": torch.equal(full, x),
+        "from_local_equal": torch.equal(full_from_local, x),
+        "split_collectives": split_comm.get_total_counts(),
+        "gather_collectives": gather_comm.get_total_counts(),
+        "cp_rank": ps.get_cp_rank(),
+    }
+
+
+CASES = [
+    (4, (2, 2, 1), (6, 8, 3), 0),
+    (4, (2, 2, 1), (2, 10, 3), 1),
+    (4, (1, 4, 1), (2, 3, 12), -1),
+    (4, (1, 4, 1), (2, 7, 3), 1),  # uneven: chunk sizes 2, 2, 2, 1
+    (4, (1, 4, 1), (2, 3, 3), 1),  # uneven with an empty last shard: 1, 1, 1, 0
+    (8, (2, 2, 2), (2, 9, 4), -2),  # cp 2 inside tp 2 x pp 2
+    (8, (1, 4, 1), (5, 16, 2), 1),  # cp 4 inside dp 2
+    (8, (1, 2, 2), (5, 3, 2), 1),  # uneven cp 2 inside pp 2 x dp 2
+]
+
+
+@pytest.mark.parametrize("world, degrees, shape, seq_dim", CASES)
+def test_split_gather_round_trip_is_exact(world, degrees, shape, seq_dim):
+    tp, cp, pp = degrees
+    x = sample(shape)
+    dim = seq_dim % len(shape)
+    expected = torch.chunk(x, cp, dim)
+    for out in run_distributed(world, round_trip, tp, cp, pp, shape, seq_dim):
+        r = out["cp_rank"]
+        want = expected[r] if r < len(expected) else x.narrow(dim, 0, 0)
+        assert torch.equal(out["local"], want)
+        assert out["placements"] == f"(Shard(dim={dim}),)" and out["global_shape"] == shape
+        assert out["full_equal"] and out["from_local_equal"]
+        assert out["split_collectives"] == 0 and out["gather_collectives"] == 1
+
+
+# ---- gradients ---------------------------------------------------------------------------------------
+def weights_for(rank, shape):
+    return sample(shape, seed=100 + rank)
+
+
+def gather_grads(shape, seq_dim, rule):
+    wf_mesh.initialize_model_parallel(cp_size=dist.get_world_size())
+    x = sample(shape)
+    local = wf_mesh.shard_sequence(x, seq_dim, as_dtensor=False).requires_grad_()
+    full = wf_mesh.gather_sequence(local, seq_dim, seq_len=x.shape[seq_dim], grad=rule)
+    if rule == "replicate":  # every rank computes the same loss
+        loss = (full.sin() * weights_for(0, shape)).sum()
+    else:  # ranks use the gathered tensor differently (all-gathered K/V)
+        loss = (full.sin() * weights_for(dist.get_rank(), shape)).sum()
+    loss.backward()
+    return local.grad
+
+
+@pytest.mark.parametrize("rule", ["replicate", "partial"])
+@pytest.mark.parametrize("world, shape, seq_dim", [(2, (3, 8, 2), 1), (4, (2, 3, 10), -1), (4, (7, 2), 0)])
+def test_gradients_match_single_process(rule, world, shape, seq_dim):
+    x = sample(shape).requires_grad_()
+    ranks = [0] if rule == "replicate" else range(world)
+    sum((x.sin() * weights_for(r, shape)).sum() for r in ranks).backward()
+    expected = torch.chunk(x.grad, world, seq_dim)
+    grads = run_distributed(world, gather_grads, shape, seq_dim, rule)
+    for r, grad in enumerate(grads):
+        assert torch.allclose(grad, expected[r], rtol=1e-6, atol=1e-6), (rule, r)
+
+
+def partial_rule_collectives():
+    wf_mesh.initialize_model_parallel(cp_size=2)
+    local = torch.ones(2, 3, requires_grad=True)
+    full = wf_mesh.gather_sequence(local, 0, grad="partial", check=False)
+    with CommDebugMode() as comm:
+        full.sum().backward()
+    return {str(k): v for k, v in comm.get_comm_counts().items()}
+
+
+def test_partial_rule_backward_is_one_reduce_scatter():
+    counts = run_distributed(2, partial_rule_collectives)[0]
+    assert sum(counts.values()) == 1 and "reduce_scatter" in next(iter(counts)), counts
+
+
+# ---- DTensor in, DTensor out -------------------------------------------------------------------------
+def dtensor_paths():
+    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    x = sample((2, 6))
+    dt = wf_mesh.shard_sequence(x, 1, mesh=mesh)  # a ParallelMesh resolves to its cp axis
+    again = wf_mesh.shard_sequence(wf_mesh.gather_sequence(dt), 1, mesh=mesh["cp"])
+    replicated = DTensor.from_local(x, mesh["cp"], [Replicate()])
+    resharded = wf_mesh.shard_sequence(replicated, -1)  # a DTensor input is redistributed
+    return (
+        isinstance(dt, DTensor),
+        torch.equal(again.to_local(), dt.to_local()),
+        resharded.placements == (Shard(1),) and torch.equal(resharded.to_local(), dt.to_local()),
+    )
+
+
+def test_dtensor_paths():
+    assert run_distributed(2, dtensor_paths) == [(True, True, True)] * 2
+
+
+# ---- legacy functions --------------------------------------------------------------------------------
+def legacy_on_cp_group(shape, seq_dim):
+    wf_mesh.initialize_model_parallel(tp_size=2, cp_size=2)  # cp groups [0, 2] and [1, 3]
+    group = ps.get_cp_group()
+    x = sample(shape)
+    local = wf_mesh.split_inputs_cp(x, seq_dim, group)
+    cat = wf_mesh.cat_outputs_cp(local, seq_dim, group)
+    leaf = local.clone().requires_grad_()
+    cat_grad = wf_mesh.cat_outputs_cp_with_grad(leaf, seq_dim, group)
+    (cat_grad * sample(shape, seed=7)).sum().backward()
+    with CommDebugMode() as split_comm:
+        wf_mesh.split_inputs_cp(x, seq_dim, group)
+    source = x if dist.get_rank() in (0, 1) else None  # receivers may pass None
+    shard = wf_mesh.broadcast_split_tensor(source, seq_dim, group)
+    return {
+        "local": local, "cat": cat, "cat_requires_grad": cat.requires_grad, "cat_grad_values": cat_grad.detach(),
+        "leaf_grad": leaf.grad, "split_collectives": split_comm.get_total_counts(), "shard": shard,
+        "mesh_is_cp_axis": wf_mesh.mesh_for_group(group) is wf_mesh.get_parallel_mesh()["cp"],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("shape, seq_dim", [((2, 8, 3), 1), ((4, 3), -2), ((2, 3, 6), -1)])
+def test_legacy_functions_on_a_real_cp_group(shape, seq_dim):
+    x = sample(shape)
+    upstream = sample(shape, seed=7)
+    for rank, out in enumerate(run_distributed(4, legacy_on_cp_group, shape, seq_dim)):
+        cp_rank = rank // 2  # groups [0, 2], [1, 3]: ranks 1 and 3 form a group whose smallest rank is 1
+        assert torch.equal(out["local"], torch.chunk(x, 2, seq_dim)[cp_rank])
+        assert torch.equal(out["cat"], x) and not out["cat_requires_grad"]
+        assert torch.equal(out["cat_grad_values"], x)
+        assert torch.equal(out["leaf_grad"], torch.chunk(upstream, 2, seq_dim)[cp_rank])
+        assert out["split_collectives"] == 0
+        assert torch.equal(out["shard"], torch.chunk(x, 2, seq_dim)[cp_rank])
+        assert out["mesh_is_cp_axis"]
+
+
+def legacy_on_new_group():
+    group = dist.new_group([1, 3])  # collective: every rank calls it
+    if dist.get_rank() not in (1, 3):
+        return None
+    x = sample((2, 4)) * (dist.get_rank() + 1)  # different on each rank: only the source's matters
+    return {
+        "split": wf_mesh.split_inputs_cp(x, 1, group),
+        "cat": wf_mesh.cat_outputs_cp(x, 1, group),
+        "shard": wf_mesh.broadcast_split_tensor(x, 1, group),
+        "bcast": wf_mesh.broadcast(x, group),
+        "text": wf_mesh.broadcast(f"from rank {dist.get_rank()} ✓", group),
+        "none": wf_mesh.broadcast(None, group),
+    }
+
+
+def test_legacy_group_whose_smallest_rank_is_not_0():
+    out = run_distributed(4, legacy_on_new_group)
+    assert out[0] is None and out[2] is None
+    x1, x3 = sample((2, 4)) * 2, sample((2, 4)) * 4
+    assert torch.equal(out[1]["split"], x1[:, :2]) and torch.equal(out[3]["split"], x3[:, 2:])
+    for r in (1, 3):
+        assert torch.equal(out[r]["cat"], torch.cat([x1, x3], 1))
+        assert torch.equal(out[r]["bcast"], x1)  # the source is rank 1, the group's smallest rank
+        assert out[r]["text"] == "from rank 1 ✓" and out[r]["none"] is None
+    assert torch.equal(out[1]["shard"], x1[:, :2]) and torch.equal(out[3]["shard"], x1[:, 2:])
+
+
+def test_none_group_and_single_process_identity():
+    x = torch.arange(24).reshape(2, 3, 4)
+    for fn in (wf_mesh.split_inputs_cp, wf_mesh.cat_outputs_cp, wf_mesh.cat_outputs_cp_with_grad,
+               wf_mesh.broadcast_split_tensor):  # fmt: skip
+        assert fn(x, 1, None) is x
+    assert wf_mesh.broadcast(x, None) is x and wf_mesh.broadcast("s", None) == "s"
+    assert wf_mesh.broadcast(None) is None
+
+
+def one_rank_group():
+    group = dist.new_group([dist.get_rank()]) if dist.get_world_size() == 1 else None
+    x = torch.ones(2, 3)
+    return all(fn(x, 1, group) is x for fn in (wf_mesh.split_inputs_cp, wf_mesh.cat_outputs_cp))
+
+
+def test_one_rank_group_returns_input():
+    assert run_distributed(1, one_rank_group) == [True]
+
+
+# ---- broadcast ---------------------------------------------------------------------------------------
+def broadcast_kinds():
+    wf_mesh.initialize_model_parallel(cp_size=2, tp_size=2)  # cp groups [0, 2], [1, 3]
+    group = ps.get_cp_group()
+    rank = dist.get_rank()
+    t = torch.full((2, 3), float(rank), dtype=torch.bfloat16)
+    out = {"tensor": wf_mesh.broadcast(t, group), "text": wf_mesh.broadcast("é" * rank, group)}
+    out["src_identity"] = wf_mesh.broadcast(t, group) is t
+    out["empty"] = wf_mesh.broadcast(torch.empty(0, 4), group).shape
+    return out
+
+
+def test_broadcast_tensor_and_str_from_smallest_rank():
+    out = run_distributed(4, broadcast_kinds)
+    for rank, o in enumerate(out):
+        src = rank % 2
+        assert torch.equal(o["tensor"], torch.full((2, 3), float(src), dtype=torch.bfloat16))
+        assert o["text"] == "é" * src
+        assert o["src_identity"] == (rank == src)
+        assert o["empty"] == torch.Size([0, 4])
+
+
+# ---- errors on every rank ----------------------------------------------------------------------------
+def catch(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), isinstance(e, ValueError), isinstance(e, (AssertionError, RuntimeError))
+    return None
+
+
+def mismatches(case):
+    wf_mesh.initialize_model_parallel(cp_size=2)
+    group, rank = ps.get_cp_group(), dist.get_rank()
+    if case == "cat_shape":
+        return catch(wf_mesh.cat_outputs_cp, torch.zeros(2, 3 + rank), 1, group)
+    if case == "cat_dtype":
+        return catch(wf_mesh.cat_outputs_cp, torch.zeros(2, 3, dtype=torch.float32 if rank else torch.float16), 1, group)
+    if case == "gather_uneven":
+        return catch(lambda: wf_mesh.gather_sequence(torch.zeros(2, 3), 1, seq_len=5))
+    if case == "broadcast_dtype":
+        return catch(wf_mesh.broadcast, torch.zeros(2, dtype=torch.int64 if rank else torch.float32), group)
+    if case == "broadcast_type":
+        return catch(wf_mesh.broadcast, {"a": 1} if rank else "ok", group)
+    if case == "split_indivisible":
+        return catch(wf_mesh.split_inputs_cp, torch.zeros(2, 7), -1, group)
+    if case == "broadcast_split_indivisible":
+        return catch(wf_mesh.broadcast_split_tensor, torch.zeros(9, 2) if rank == 0 else None, 0, group)
+    if case == "bad_dim":
+        return catch(wf_mesh.split_inputs_cp, torch.zeros(2, 4), 2, group)
+
+
+MISMATCHES = {
+    "cat_shape": ("ShapeMismatchError", "cat_outputs_cp: CP shards disagree across ranks (rank 1: Tensor(2, 4) torch.float32 (expected length 3 along dim 1))"),
+    "cat_dtype": ("ShapeMismatchError", "(rank 1: Tensor(2, 3) torch.float32); all shards: rank 0: Tensor(2, 3) torch.float16, rank 1: Tensor(2, 3) torch.float32"),
+    "gather_uneven": ("ShapeMismatchError", "rank 1: Tensor(2, 3) torch.float32 (expected length 2 along dim 1)"),
+    "broadcast_dtype": ("ShapeMismatchError", "broadcast: ranks [1] passed items that do not match the source (rank 0)"),
+    "broadcast_type": ("TypeError", "str and None; rank 1 passed"),
+    "split_indivisible": ("IndivisibleSequenceError", "split_inputs_cp: sequence length 7 (seq_dim=-1) is not divisible by the cp size 2"),
+    "broadcast_split_indivisible": ("IndivisibleSequenceError", "broadcast_split_tensor: sequence length 9 (seq_dim=0) is not divisible by the cp size 2"),
+    "bad_dim": ("IndexError", "seq_dim=2 is out of range for a tensor with 2 dims"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_errors_raise_on_every_rank(case):
+    kind, message = MISMATCHES[case]
+    results = run_distributed(2, mismatches, case)
+    for result in results:  # every rank raised: nobody was left hanging in a collective
+        assert result is not None and result[0] == kind and message in result[1], result
+    if kind in ("ShapeMismatchError", "IndivisibleSequenceError"):
+        assert all(r[2] and r[3] for r in results)  # ValueError and RuntimeError/AssertionError at once
+    if case == "broadcast_type":
+        assert "rank 1 passed dict" in results[1][1]
+
+
+# ---- find_split ---------------------------------------------------------------------------------------
+FIND_SPLIT = [
+    ((1, 16, 24, 88, 160), 16, (3, 44, 160), 8),
+    ((1, 16, 16, 88, 160), 8, (2, 88, 160), 8),
+    ((1, 16, 24, 88, 160), 48, (1, 44, 160), 24),
+    ((1, 16, 6, 88, 160), 4, (3, 44, 160), 2),
+    ((1, 16, 21, 88, 160), 2, (21, 44, 160), 1),
+]
+
+
+@pytest.mark.parametrize("shape, cp, expected, cp_t", FIND_SPLIT)
+def test_find_split_reference_values(shape, cp, expected, cp_t):
+    assert wf_mesh.find_split(torch.Size(shape), cp) == torch.Size(expected)
+    assert ps.cp_size_t == cp_t
+    ps.destroy_model_parallel()  # nothing initialized: still resets cp_size_t
+    assert not hasattr(ps, "cp_size_t")
+
+
+def test_find_split_errors():
+    with pytest.raises(ValueError, match=r"cannot split \(T=21, H=88, W=160\) with patch \(1, 2, 2\) over cp_size=8: "
+                                         r"a factor 2 is left for W, which is never split"):
+        wf_mesh.find_split(torch.Size((1, 16, 21, 88, 160)), 8)
+    with pytest.raises(AssertionError, match="T=21 is not divisible by view_factor=2"):
+        wf_mesh.find_split((1, 16, 21, 88, 160), 2, view_factor=2)
+    assert wf_mesh.find_split((1, 16, 24, 88, 160), 8, view_factor=2) == torch.Size((3, 44, 160))  # T = 24 // 2
+    with pytest.raises(ValueError, match=r"expects a \(B, C, T, H, W\) shape, got \(16, 24, 88, 160\)"):
+        wf_mesh.find_split((16, 24, 88, 160), 2)
+
+
+def test_chunk_sizes_follow_torch_chunk():
+    for length in range(0, 13):
+        for parts in range(1, 6):
+            sizes = [c.numel() for c in torch.chunk(torch.arange(length), parts)] if length else []
+            assert chunk_sizes(length, parts) == sizes + [0] * (parts - len(sizes))
