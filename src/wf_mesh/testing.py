@@ -63,6 +63,7 @@ def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) 
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     conn.send(("ready", rank))
+    runs = 0
     while True:
         try:
             message = conn.recv()
@@ -75,6 +76,8 @@ def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) 
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
             reply = ("error", _picklable(exc), traceback.format_exc())
+        runs += 1
+        _store_barrier(store, f"run{runs}", world_size)
         _cleanup()
         try:
             conn.send(reply)
@@ -89,6 +92,15 @@ def _picklable(exc: BaseException) -> BaseException:
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _store_barrier(store: dist.Store, key: str, world_size: int) -> None:
+    """Wait until every rank got here, through the store: no process group is involved, so it can never be
+    matched against a collective a test left pending, and a rank's in-flight sends are received before its
+    peers tear their groups down."""
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"])
 
 
 def _cleanup() -> None:
