@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from wf_mesh import parallel_state
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
+from wf_mesh.pipeline import init_pp_scheduler, pp_scheduler_or_none
 from wf_mesh.topology import ParallelDims
 
-__all__ = ["dist_init", "bind_local_device"]
+__all__ = ["bind_local_device", "dist_init"]
 
 _REQUIRED = ("distributed_backend", "distributed_timeout_minutes", "cp_size", "pp_size")
 
@@ -60,7 +61,7 @@ def dist_init(config: Any) -> ParallelMesh:
     ``WORLD_SIZE``; the rendezvous from ``MASTER_ADDR``/``MASTER_PORT`` (``env://``).
 
     Safe to call again: an initialized default group is reused, and an existing mesh with the same degrees
-    is returned as is. Returns the current :class:`~wf_mesh.mesh.ParallelMesh`.
+    is returned as is. With ``pp_size > 1`` the legacy PP scheduler is created too (once). Returns the current :class:`~wf_mesh.mesh.ParallelMesh`.
     """
     config = getattr(config, "engine_config", config)
     backend = _read(config, "distributed_backend")
@@ -103,5 +104,6 @@ def dist_init(config: Any) -> ParallelMesh:
             f"dist_init: a different mesh is already initialized ({mesh.dims}); asked for {wanted}; "
             "call destroy_model_parallel() first"
         )
-    # Hook for the pipeline issue: when pp > 1, create the PP scheduler here (init_pp_scheduler()).
+    if pp > 1 and pp_scheduler_or_none() is None:
+        init_pp_scheduler()
     return get_parallel_mesh()

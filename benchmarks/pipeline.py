@@ -1,0 +1,132 @@
+"""Pipeline P2P benchmark: PPScheduler and PipelineP2P against raw ``dist.isend``/``dist.irecv``.
+
+Two ranks on gloo (CPU), one pp=2 mesh, measured side by side in one run (methods interleaved, median of
+the repeats). Each measurement is a ping-pong: rank 0 sends, rank 1 receives and sends it back.
+
+- latency: round trip of a small tensor (4 float32, 16 bytes);
+- bandwidth: round trip of an 8 MiB float32 tensor (16 MiB moved per round trip).
+
+Methods: raw ``dist.isend``/``dist.irecv`` into a preallocated buffer; ``PPScheduler.isend_next`` /
+``recv_prev_data`` (sends a copy, allocates the receive); ``PipelineP2P.send`` / ``recv`` (no copy,
+allocates the receive); ``PipelineP2P.send`` / ``irecv_into`` (no copy, reused buffer, like raw);
+``PipelineP2P(checked=True)`` (plus a 128-byte header per message).
+
+    python benchmarks/pipeline.py            # about a minute on 2 cores
+    python benchmarks/pipeline.py --quick    # smoke run, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import wf_mesh
+from wf_mesh.pipeline import PipelineP2P, PPScheduler
+from wf_mesh.testing import LocalCluster
+
+SMALL = 4  # float32 elements
+BIG = 8 * 2**20 // 4  # 8 MiB of float32
+
+
+def _methods():
+    """name -> (send(tensor), recv(shape, dtype) -> tensor, finish()) on this rank."""
+    mesh = wf_mesh.get_parallel_mesh()
+    group, peer = mesh.group("pp"), mesh.ranks("pp")[1 - mesh.rank("pp")]
+    raw_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+    raw_sends: list[dist.Work] = []
+
+    def raw_send(t):
+        raw_sends.append(dist.isend(t, peer, group=group))
+
+    def raw_recv(shape, dtype):
+        buf = raw_buffers.setdefault(tuple(shape), torch.empty(shape, dtype=dtype))
+        dist.irecv(buf, peer, group=group).wait()
+        return buf
+
+    def raw_finish():
+        while raw_sends:
+            raw_sends.pop().wait()
+
+    sched, link, checked = PPScheduler(), PipelineP2P(), PipelineP2P(checked=True)
+    link_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def link_recv_into(shape, dtype):
+        return link.irecv_into(link_buffers.setdefault(tuple(shape), torch.empty(shape, dtype=dtype))).wait()
+
+    return {
+        "raw dist.isend/irecv": (raw_send, raw_recv, raw_finish),
+        "PPScheduler isend_next/recv_prev_data": (sched.isend_next, sched.recv_prev_data, sched.wait_sends),
+        "PipelineP2P send/recv": (link.send, link.recv, link.wait_sends),
+        "PipelineP2P send/irecv_into (reused buffer)": (link.send, link_recv_into, link.wait_sends),
+        "PipelineP2P(checked=True) send/recv": (checked.send, checked.recv, checked.wait_sends),
+    }
+
+
+def bench(numel: int, iters: int, repeats: int) -> dict[str, list[float]] | None:
+    """Seconds per round trip of a ``numel`` float32 tensor, per method and repeat (rank 0 returns them)."""
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(pp=2))
+    methods = _methods()
+    rank = dist.get_rank()
+    x = torch.randn(numel)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for repeat in range(repeats + 1):  # repeat 0 warms up
+        for name, (send, recv, finish) in methods.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                if rank == 0:
+                    send(x)
+                    y = recv(x.shape, x.dtype)
+                else:
+                    y = recv(x.shape, x.dtype)
+                    send(y)
+                finish()
+            elapsed = time.perf_counter() - start
+            if repeat:
+                times[name].append(elapsed / iters)
+    if rank == 0:
+        assert torch.equal(y, x)
+        return times
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few iterations only (smoke run)")
+    args = parser.parse_args()
+    small_iters, big_iters, repeats = (20, 2, 1) if args.quick else (200, 5, 21)
+
+    cluster = LocalCluster(2)
+    try:
+        small = cluster.run(bench, SMALL, small_iters, repeats)[0]
+        big = cluster.run(bench, BIG, big_iters, repeats)[0]
+    finally:
+        cluster.shutdown()
+
+    med = {k: {name: statistics.median(v) for name, v in d.items()} for k, d in (("small", small), ("big", big))}
+    raw = "raw dist.isend/irecv"
+    width = max(map(len, small)) + 2
+    print(f"pipeline P2P benchmark: 2 ranks, gloo, CPU, torch {torch.__version__}; "
+          f"median of {repeats} interleaved repeat(s){' (--quick)' if args.quick else ''}")  # fmt: skip
+    print(f"latency: round trip of {SMALL * 4} B ({SMALL} float32), {small_iters} round trips per repeat")
+    for name, t in med["small"].items():
+        print(f"  {name:<{width}} {t * 1e6:9.1f} us   {t / med['small'][raw]:5.2f}x raw")
+    print(f"bandwidth: round trip of 8 MiB float32 (16 MiB moved), {big_iters} round trips per repeat")
+    for name, t in med["big"].items():
+        gbps, ratio = 2 * BIG * 4 / t / 1e9, t / med["big"][raw]
+        print(f"  {name:<{width}} {gbps:7.2f} GB/s {t * 1e3:8.2f} ms   {ratio:5.2f}x raw time")
+    print("ratios (time / raw time; 1.00 = as fast as raw):")
+    for label, name in (("PPScheduler / raw", "PPScheduler isend_next/recv_prev_data"),
+                        ("PipelineP2P / raw", "PipelineP2P send/recv"),
+                        ("PipelineP2P irecv_into / raw", "PipelineP2P send/irecv_into (reused buffer)"),
+                        ("PipelineP2P checked / raw", "PipelineP2P(checked=True) send/recv")):  # fmt: skip
+        print(f"  {label:<30} latency {med['small'][name] / med['small'][raw]:5.2f}x   "
+              f"8 MiB {med['big'][name] / med['big'][raw]:5.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
