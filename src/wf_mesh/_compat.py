@@ -12,6 +12,16 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
   ``destroy_process_group``, so repeated init/destroy would leak file descriptors.
 - ``register_fake_backend``: the ``fake`` backend (one process pretending to be rank r of N) is
   registered by a module under ``torch.testing._internal``.
+- ``process_group_counts``: groups held and ``new_group`` calls made, read from ``distributed_c10d._world``
+  (benchmarks/topology.py counts group creation with it).
+- ``dtensor_local`` / ``wait_if_async`` / ``fsdp_unsharded_modules`` (shard-local EMA and state broadcast):
+  ``DTensor._local_tensor`` is the shard object itself (``to_local()`` on an ``nn.Parameter`` DTensor returns a
+  fresh view per call, useless for cheap identity checks); ``AsyncCollectiveTensor`` lives in a private
+  module; FSDP2 exposes no public "is this module resharded?" query.
+- ``clear_dtensor_caches`` (called by ``release_meshes`` and ``destroy_subgroups``): DTensor's
+  sharding-propagation and redistribute caches key on DeviceMesh equality (ranks, layout, names; not process
+  groups), so after destroy + init a new, equal mesh would get cached specs that hold the OLD mesh and its
+  destroyed groups ("Could not resolve the process group registered under the name ...").
 """
 
 from __future__ import annotations
@@ -20,16 +30,22 @@ import datetime
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "backend_options",
+    "clear_dtensor_caches",
     "destroy_subgroups",
+    "dtensor_local",
     "flatten",
+    "fsdp_unsharded_modules",
     "mesh_group_names",
+    "process_group_counts",
     "register_fake_backend",
     "release_meshes",
+    "wait_if_async",
 ]
 
 NCCL_OPTION_KEYS = ("cga_cluster_size", "max_ctas", "min_ctas")
@@ -86,11 +102,21 @@ def release_meshes(root: DeviceMesh, flattened: Iterable[DeviceMesh], destroy_gr
         mesh._pg_registry = {}
     root._flatten_mapping = {}
     root._pg_registry = {}
+    clear_dtensor_caches()
 
 
 def register_fake_backend() -> None:
     """Register torch's ``fake`` backend (for topology checks at thousands of simulated ranks)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers on import)
+
+
+def process_group_counts() -> tuple[int, int]:
+    """``(process groups this rank holds, new_group calls made so far in this process)`` (for benchmarks).
+
+    Non-member ``new_group`` calls create no group on this rank but still advance torch's group counter.
+    """
+    world = dist.distributed_c10d._world
+    return len(world.pg_map), world.group_count
 
 
 def destroy_subgroups() -> None:
@@ -101,3 +127,39 @@ def destroy_subgroups() -> None:
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not default:
             dist.destroy_process_group(pg)
+    clear_dtensor_caches()  # meshes built outside wf_mesh (init_device_mesh) lost their groups too
+
+
+# ---- shard-local state (ema.py, state_sync.py) ----------------------------------------------------------
+def dtensor_local(dtensor: torch.Tensor) -> torch.Tensor:
+    """The local shard object a DTensor holds (no view, no autograd): stable identity while the shard is."""
+    return dtensor._local_tensor
+
+
+def wait_if_async(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait on an ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` may return) and return the result."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+def fsdp_unsharded_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the FSDP2 modules in ``model`` whose parameters are not in the sharded state (FSDP2 keeps
+    them unsharded after forward until backward when ``reshard_after_forward`` is False, as for the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        name or "<root>"
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+        and not all(group.is_sharded for group in module._get_fsdp_state()._fsdp_param_groups)
+    ]
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding propagations and redistribute plans (they may hold destroyed meshes)."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()

@@ -32,8 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from wf_mesh import parallel_state
-from wf_mesh.collectives import KIND_TENSOR, ShapeMismatchError, exchange_headers, group_device
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.collectives import (
+    KIND_TENSOR,
+    ShapeMismatchError,
+    exchange_headers,
+    group_device,
+)
+from wf_mesh.mesh import (
+    ParallelMesh,
+    get_parallel_mesh,
+    parallel_mesh_or_none,
+    register_destroy_hook,
+)
 
 __all__ = [
     "GradRule",

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from wf_mesh.context_parallel import (
-    check_shards,
     broadcast_shard,
     check_divisible,
+    check_shards,
     gather_sequence,
     mesh_for_group,
     normalize_dim,

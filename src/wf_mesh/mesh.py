@@ -6,6 +6,14 @@ default ``"tp-cp-pp-dp"``), so that its row-major layout matches Megatron/MAGI's
 (``tp_cp``, ``dp_cp``, ``tp_pp``, ``tp_cp_dp``, ``tp_dp``) are flattened views created collectively at
 construction and kept in the mesh's own registry; they are never re-sliced from the root by name.
 
+FSDP2 (``fully_shard``) takes :meth:`ParallelMesh.fsdp_mesh` (the 1-D ``dp_cp`` axis: CP ranks hold the same
+weights). For HSDP, ``init_parallel(dims, dp_replicate=R)`` also builds, up front, a 2-D view with dim names
+``("replicate", "shard")`` (:meth:`ParallelMesh.hsdp_mesh`): dp splits into R replicas of
+``dp_shard = dp // R`` ranks, and a shard group holds dp_shard x cp ranks. Rank order: a rank's dp
+coordinate is ``replicate * dp_shard + dp_shard_index`` (dp_shard fastest, torchtitan's convention); a shard
+group lists its dp_shard and cp coordinates in ``order`` order, fastest first, so with ``dp_replicate=1`` it
+is exactly the ``dp_cp`` group. Its 1-D axes are also registered as ``mesh["replicate"]`` and ``mesh["shard"]``.
+
 Example::
 
     dist.init_process_group("gloo")                 # or dist_init(config) / torchrun + nccl
@@ -20,6 +28,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Mapping
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -30,15 +39,17 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "ParallelMesh",
     "get_parallel_mesh",
+    "hsdp_rank_grid",
     "init_parallel",
     "parallel_mesh_or_none",
     "register_destroy_hook",
+    "run_destroy_hooks",
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Companion gloo groups for CPU-side work (Megatron's ``get_data_parallel_group_gloo``), created only when
-# the main backend is not gloo itself.
+# the main backend is NCCL.
 GLOO_COMPANIONS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp"}
 
 _AXIS_BY_MEMBERS = {frozenset([a]): a for a in AXES} | {frozenset(m): n for n, m in DERIVED_AXES.items()}
@@ -48,9 +59,16 @@ _destroy_hooks: list[Callable[[], None]] = []
 
 
 def register_destroy_hook(hook: Callable[[], None]) -> None:
-    """Call ``hook()`` whenever the current mesh is destroyed (modules reset their per-mesh state here)."""
+    """Call ``hook()`` whenever the current mesh is destroyed, before its groups are (modules reset their
+    per-mesh state here: the PP scheduler, cached CP meshes, ``parallel_state.cp_size_t``)."""
     if hook not in _destroy_hooks:
         _destroy_hooks.append(hook)
+
+
+def run_destroy_hooks() -> None:
+    """Reset every module's per-mesh state (what destroying the current mesh does first)."""
+    for hook in _destroy_hooks:
+        hook()
 
 
 class ParallelMesh:
@@ -69,6 +87,7 @@ class ParallelMesh:
         *,
         backend: str,
         timeout: datetime.timedelta,
+        hsdp: DeviceMesh | None = None,
     ) -> None:
         self.dims = dims
         self.root = root
@@ -76,6 +95,7 @@ class ParallelMesh:
         self.timeout = timeout
         self._axes = axes
         self._flattened = flattened
+        self._hsdp = hsdp
         self._global_rank = dist.get_rank()
         self.coords: dict[str, int] = dims.coords(self._global_rank)
         self.destroyed = False
@@ -135,6 +155,29 @@ class ParallelMesh:
     def global_rank(self) -> int:
         return self._global_rank
 
+    # ---- FSDP2 views --------------------------------------------------------------------------------
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh to pass to ``fully_shard`` for plain FSDP: this rank's ``dp_cp`` axis."""
+        return self["dp_cp"]
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """True when the mesh was built with ``dp_replicate`` (see :meth:`hsdp_mesh`)."""
+        return self._hsdp is not None
+
+    def hsdp_mesh(self) -> DeviceMesh:
+        """The 2-D ``("replicate", "shard")`` mesh for HSDP ``fully_shard``; shard = dp_shard x cp.
+
+        Raises RuntimeError unless the mesh was built with ``init_parallel(..., dp_replicate=R)``.
+        """
+        if self._hsdp is None:
+            self._key("dp")  # a destroyed mesh says so
+            raise RuntimeError(
+                f"this ParallelMesh ({self.dims}) has no HSDP view: build it with "
+                "init_parallel(dims, dp_replicate=R), R dividing dp"
+            )
+        return self._hsdp
+
     # ---- lifecycle ----------------------------------------------------------------------------------
     def destroy(self, destroy_process_groups: bool = True) -> None:
         """Destroy the subgroups this mesh created (never the default group) and forget the mesh.
@@ -146,13 +189,13 @@ class ParallelMesh:
         if self.destroyed:
             return
         self.destroyed = True
+        if _current is self:
+            _current = None
+            run_destroy_hooks()
         _compat.release_meshes(self.root, self._flattened, destroy_groups=destroy_process_groups)
         self._axes = {}
         self._flattened = []
-        if _current is self:
-            _current = None
-            for hook in _destroy_hooks:
-                hook()
+        self._hsdp = None
 
     def __repr__(self) -> str:
         state = "destroyed" if self.destroyed else f"rank={self._global_rank} coords={self.coords}"
@@ -165,6 +208,7 @@ def init_parallel(
     device_type: str | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     nccl_config: Mapping[str, Mapping[str, int]] | None = None,
+    dp_replicate: int | None = None,
 ) -> ParallelMesh:
     """Build the mesh for ``dims`` (default: pure data parallel) over the default process group and make it
     the process-wide current mesh. Collective: every rank must call it with the same arguments.
@@ -175,10 +219,13 @@ def init_parallel(
         timeout: timeout of every subgroup's collectives (torch's own default is not inherited).
         nccl_config: NCCL communicator options per axis (keys are axis names: ``"tp"``, ``"dp_cp"``,
             ``"tp_pp"``, ...; values map ``min_ctas``/``max_ctas``/``cga_cluster_size`` to ints). NCCL only.
+        dp_replicate: also build the HSDP view (:meth:`ParallelMesh.hsdp_mesh`): dp splits into
+            ``dp_replicate`` replicas x ``dp // dp_replicate`` shards. Must divide dp.
 
     Raises:
         RuntimeError: torch.distributed is not initialized, or a mesh is already current.
-        ValueError: the degrees do not multiply to the world size (every factor is named).
+        ValueError: the degrees do not multiply to the world size, or dp_replicate does not divide dp
+            (every factor is named).
     """
     global _current
     if not dist.is_initialized():
@@ -192,6 +239,8 @@ def init_parallel(
             "wf_mesh.destroy_model_parallel() before initializing again"
         )
     dims = (dims or ParallelDims()).resolve(dist.get_world_size())
+    if dp_replicate is not None:
+        _check_dp_replicate(dims, dp_replicate)
     backend = dist.get_backend()
     if device_type is None:
         device_type = "cuda" if backend == "nccl" else "cpu"
@@ -220,12 +269,58 @@ def init_parallel(
 
     for name, members in DERIVED_AXES.items():
         add_flattened(name, members, options(name))
-    if backend != "gloo":
+    if backend == "nccl":
         gloo = ("gloo", _compat.backend_options("gloo", timeout))
         for name, source in GLOO_COMPANIONS.items():
             add_flattened(name, parse_axes(source), gloo)
-    _current = ParallelMesh(dims, root, axes, flattened, backend=backend, timeout=timeout)
+    hsdp = None
+    if dp_replicate is not None:
+        hsdp = _build_hsdp(dims, dp_replicate, device_type, options("shard"))
+        axes["replicate"], axes["shard"] = hsdp["replicate"], hsdp["shard"]
+        flattened.append(hsdp)  # released (groups destroyed) with the flattened axes
+    _current = ParallelMesh(dims, root, axes, flattened, backend=backend, timeout=timeout, hsdp=hsdp)
     return _current
+
+
+def _check_dp_replicate(dims: ParallelDims, dp_replicate: int) -> None:
+    if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
+        raise ValueError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
+    if dims.dp % dp_replicate:
+        raise ValueError(
+            f"dp_replicate={dp_replicate} does not divide dp={dims.dp} (tp={dims.tp}, cp={dims.cp}, "
+            f"pp={dims.pp}, dp={dims.dp}); HSDP needs dp = dp_replicate * dp_shard"
+        )
+
+
+def hsdp_rank_grid(dims: ParallelDims, dp_replicate: int) -> torch.Tensor:
+    """Global ranks of every HSDP view, shape ``(tp * pp, dp_replicate, dp // dp_replicate * cp)``.
+
+    Pure (no process groups). Row ``i`` is the ``("replicate", "shard")`` mesh of one tp x pp coordinate;
+    the rank order is the one in the module docstring.
+    """
+    _check_dp_replicate(dims, dp_replicate)
+    names = list(dims.mesh_dim_names)  # root order: last varies fastest
+    d = names.index("dp")
+    shape = list(dims.mesh_shape)
+    shape[d : d + 1] = [dp_replicate, dims.dp // dp_replicate]
+    names[d : d + 1] = ["replicate", "dp_shard"]
+    rep = names.index("replicate")
+    shard = [i for i, n in enumerate(names) if n in ("dp_shard", "cp")]
+    outside = [i for i in range(len(names)) if i != rep and i not in shard]
+    grid = dims.rank_grid().reshape(shape).permute(*outside, rep, *shard)
+    return grid.reshape(-1, dp_replicate, dims.dp // dp_replicate * dims.cp)
+
+
+def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts) -> DeviceMesh:
+    """Build every tp x pp coordinate's 2-D view (``new_group`` is collective, so every rank builds all of
+    them, in the same order) and return the one holding this rank. Public DeviceMesh API only."""
+    override = None if opts is None else ((None, opts), (None, opts))
+    rank, mine = dist.get_rank(), None
+    for grid in hsdp_rank_grid(dims, dp_replicate):
+        view = DeviceMesh(device_type, grid, mesh_dim_names=("replicate", "shard"), backend_override=override)
+        if bool((grid == rank).any()):
+            mine = view
+    return mine
 
 
 def get_parallel_mesh() -> ParallelMesh:

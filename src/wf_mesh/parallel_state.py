@@ -23,7 +23,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from wf_mesh import _compat
-from wf_mesh.mesh import get_parallel_mesh, init_parallel, parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.mesh import (
+    get_parallel_mesh,
+    init_parallel,
+    parallel_mesh_or_none,
+    register_destroy_hook,
+    run_destroy_hooks,
+)
 from wf_mesh.topology import ParallelDims
 
 __all__ = [
@@ -185,7 +191,7 @@ def destroy_model_parallel(destroy_process_groups: bool = True) -> None:
     if mesh is not None:
         mesh.destroy(destroy_process_groups)
     else:
-        _reset_module_state()
+        run_destroy_hooks()
 
 
 def _reset_module_state() -> None:
