@@ -18,6 +18,10 @@ Pipeline (wf_mesh.pipeline):
     PipelineP2P                      send/recv between adjacent pp stages (ring), checked mode, batched exchange
     build_pipeline_stage             torch.distributed.pipelining.PipelineStage placed by the mesh
 
+Seeing placements (wf_mesh.viz; text for terminals, HTML in notebooks):
+    TopologyView / show_topology     the rank grid with each axis's groups told apart
+    PlacementView                    which rank holds which slice of which dims (a DTensor, or .plan(...))
+
 Legacy API (drop-in for ``worldfoundry.core.distributed`` and Megatron/MAGI ``parallel_state``):
     initialize_model_parallel, destroy_model_parallel, model_parallel_is_initialized, dist_init,
     is_last_rank, is_last_tp_cp_rank, print_rank_0, print_per_rank, split_inputs_cp, cat_outputs_cp,
@@ -74,6 +78,7 @@ from wf_mesh.runtime import dist_init
 from wf_mesh.state_sync import broadcast_dtensor_model_states
 from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims
 from wf_mesh.video import VideoSplit, plan_video_split
+from wf_mesh.viz import PlacementView, TopologyView, show_topology
 
 __version__ = "0.1.0"
 
@@ -86,8 +91,10 @@ __all__ = [
     "ParallelMesh",
     "PipelineP2P",
     "PipelineStateError",
+    "PlacementView",
     "ShapeMismatchError",
     "ShardedEMA",
+    "TopologyView",
     "VideoSplit",
     "broadcast_shard",
     "build_pipeline_stage",
@@ -100,6 +107,7 @@ __all__ = [
     "plan_video_split",
     "pp_scheduler_or_none",
     "shard_sequence",
+    "show_topology",
     # legacy
     "DTensorFastEmaModelUpdater",
     "PPScheduler",
