@@ -57,6 +57,7 @@ __all__ = [
     "gather_sequence",
     "mesh_for_group",
     "normalize_dim",
+    "sequence_dtensor",
     "shard_sequence",
 ]
 
@@ -142,6 +143,18 @@ def _from_shard(local: torch.Tensor, mesh: DeviceMesh, dim: int, global_shape: t
     return DTensor.from_local(
         local, mesh, [Shard(dim)], run_check=False, shape=global_shape, stride=_contiguous_stride(global_shape)
     )
+
+
+def sequence_dtensor(
+    local: torch.Tensor,
+    seq_dim: int,
+    global_shape: torch.Size | tuple[int, ...],
+    *,
+    mesh: DeviceMesh | ParallelMesh | None = None,
+) -> DTensor:
+    """Wrap this rank's CP shard as a DTensor placed ``Shard(seq_dim)`` with the given global shape (never
+    inferred: inference assumes even shards). No collective."""
+    return _from_shard(local, cp_mesh(mesh), normalize_dim(seq_dim, local.ndim), torch.Size(global_shape))
 
 
 # ---- shard / gather ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh
 
-from wf_mesh.context_parallel import GradRule, cp_mesh, find_split, gather_sequence
+from wf_mesh.context_parallel import GradRule, cp_mesh, find_split, gather_sequence, sequence_dtensor
 from wf_mesh.mesh import ParallelMesh
 
 __all__ = ["VideoSplit", "plan_video_split"]
@@ -54,7 +54,8 @@ class VideoSplit:
         t, h, w = self.local_thw
         return t * h * w
 
-    def _block(self, cp_rank: int) -> tuple[slice, slice]:
+    def block(self, cp_rank: int) -> tuple[slice, slice]:
+        """The (T, H) index ranges of cp rank ``cp_rank``'s block."""
         lt, lh, _ = self.local_thw
         i, j = divmod(cp_rank, self.cp_h)
         return slice(i * lt, (i + 1) * lt), slice(j * lh, (j + 1) * lh)
@@ -85,16 +86,25 @@ class VideoSplit:
         return pos
 
     # ---- CP ------------------------------------------------------------------------------------------
-    def shard(self, latent: torch.Tensor, *, mesh: DeviceMesh | ParallelMesh | None = None) -> torch.Tensor:
-        """This cp rank's tokens ``(B, T'*H'*W, C)``: a slice of the latent, no collective, no full copy."""
+    def shard(
+        self, latent: torch.Tensor, *, mesh: DeviceMesh | ParallelMesh | None = None, as_dtensor: bool = False
+    ) -> torch.Tensor:
+        """This cp rank's tokens ``(B, T'*H'*W, C)``: a slice of the latent, no collective, no full copy.
+
+        ``as_dtensor=True`` returns them as a DTensor ``Shard(1)`` of the global ``(B, T*H*W, C)`` sequence.
+        """
         self._check(latent.shape, 2, "shard")
         mesh = self._mesh(mesh)
-        ts, hs = self._block(mesh.get_local_rank())
-        return rearrange(latent[:, :, ts, hs, :], "b c t h w -> b (t h w) c")
+        ts, hs = self.block(mesh.get_local_rank())
+        tokens = rearrange(latent[:, :, ts, hs, :], "b c t h w -> b (t h w) c")
+        if not as_dtensor:
+            return tokens
+        b, c = latent.shape[:2]
+        return sequence_dtensor(tokens, 1, (b, self.t * self.h * self.w, c), mesh=mesh)
 
     def shard_positions(self, pos: torch.Tensor, *, mesh: DeviceMesh | ParallelMesh | None = None) -> torch.Tensor:
         """This cp rank's position embeddings ``(T'*H'*W, D)``, matching :meth:`shard` token for token."""
-        ts, hs = self._block(self._mesh(mesh).get_local_rank())
+        ts, hs = self.block(self._mesh(mesh).get_local_rank())
         return rearrange(self._pos_grid(pos)[ts, hs], "t h w d -> (t h w) d")
 
     def gather(

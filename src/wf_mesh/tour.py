@@ -1,0 +1,118 @@
+"""Per-rank functions for exploring placements from a notebook or a REPL (``notebooks/placements.ipynb``).
+
+A function defined in a notebook cannot be sent to spawned worker processes (they cannot import
+``__main__``), so the notebook runs these, each on every rank of a :class:`~wf_mesh.testing.LocalCluster`::
+
+    from wf_mesh.testing import LocalCluster
+    from wf_mesh import tour
+    cluster = LocalCluster(4).start()
+    pieces = cluster.run(tour.latent_pieces, (1, 4, 8, 8, 8), cp=4)   # one dict per rank
+
+Each builds its own mesh (the cluster destroys it after every call) and returns plain, picklable values:
+views as text, shapes, and collective counts from CommDebugMode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from wf_mesh.ema import ShardedEMA
+from wf_mesh.mesh import init_parallel
+from wf_mesh.topology import ParallelDims
+from wf_mesh.video import plan_video_split
+from wf_mesh.viz import PlacementView, parse_placement
+
+__all__ = ["fsdp_ema_shards", "latent_pieces", "redistribute_costs"]
+
+
+def _seeded(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))  # the same on every rank
+
+
+def latent_pieces(shape: tuple[int, int, int, int, int], cp: int) -> dict:
+    """Shard a ``(B, C, T, H, W)`` latent over ``cp`` ranks with :func:`~wf_mesh.plan_video_split`; return this
+    rank's block, its token shape, whether a gather restores the latent, and the placement view of the
+    token sequence."""
+    mesh = init_parallel(ParallelDims(cp=cp))
+    latent = _seeded(shape)
+    split = plan_video_split(shape, cp)
+    sequence = split.shard(latent, as_dtensor=True)
+    tokens = sequence.to_local()
+    t_block, h_block = split.block(mesh.rank("cp"))
+    return {
+        "rank": dist.get_rank(),
+        "cp_rank": mesh.rank("cp"),
+        "t": (t_block.start, t_block.stop),
+        "h": (h_block.start, h_block.stop),
+        "tokens": tuple(tokens.shape),
+        "restored": torch.equal(split.gather(tokens), latent),
+        "view": str(PlacementView(sequence, dim_names="BNC")),
+    }
+
+
+TRANSITIONS = [
+    ("R, R", "R, S(1)"),
+    ("R, S(1)", "R, R"),
+    ("R, S(1)", "R, S(2)"),
+    ("S(0), S(1)", "R, R"),
+    ("R, P", "R, R"),
+    ("R, P", "R, S(1)"),
+]
+"""Placement changes on a 2-D ``(dp, cp)`` mesh that :func:`redistribute_costs` measures."""
+
+
+def redistribute_costs(shape: tuple[int, ...] = (4, 8, 6), transitions=TRANSITIONS) -> list[dict]:
+    """Redistribute a tensor between placements on the ``(dp, cp)`` axes of a dp=2 x cp=2 mesh and count the
+    collectives each change issues (CommDebugMode); checks every result against the full tensor."""
+    mesh = init_parallel(ParallelDims(cp=2))
+    submesh = mesh.root["dp", "cp"]
+    full = _seeded(shape)
+    rows = []
+    for source, target in transitions:
+        src = [parse_placement(p) for p in source.split(", ")]
+        dst = [parse_placement(p) for p in target.split(", ")]
+        if any(p.is_partial() for p in src):  # a Partial tensor: each rank holds one term of the sum
+            terms = submesh.size(1)
+            x = DTensor.from_local(full / terms, submesh, src, shape=full.shape, stride=full.stride())
+        else:
+            x = distribute_tensor(full, submesh, src, src_data_rank=None)
+        with CommDebugMode() as comm:
+            y = x.redistribute(submesh, dst)
+        counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        rows.append({
+            "from": source, "to": target, "collectives": counts, "local": tuple(y.to_local().shape),
+            "correct": torch.allclose(y.full_tensor(), full, atol=1e-6),
+        })  # fmt: skip
+    return rows
+
+
+def fsdp_ema_shards(dp_replicate: int | None = None, steps: int = 2) -> dict:
+    """FSDP2 (``fully_shard`` over the dp_cp axis, or HSDP with ``dp_replicate``) on a tiny MLP, a few AdamW
+    steps with :class:`~wf_mesh.ShardedEMA`; return the placement views of a weight and of its EMA shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_parallel(ParallelDims(cp=2), dp_replicate=dp_replicate)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 3))
+    fully_shard(model, mesh=mesh.hsdp_mesh() if dp_replicate else mesh.fsdp_mesh())
+    ema = ShardedEMA(model, beta=0.9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss = model(_seeded((4, 6)) + step).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update(model)
+    weight = model[0].weight
+    ema_weight = ema.state_dict()["0.weight"]
+    return {
+        "rank": dist.get_rank(),
+        "weight": str(PlacementView(weight, dim_names="OI")),
+        "ema": str(PlacementView(ema_weight, dim_names="OI")),
+        "ema_local": tuple(ema_weight.to_local().shape),
+        "ema_dtype": str(ema_weight.dtype),
+        "loss": loss.item(),
+    }
