@@ -86,8 +86,11 @@ def broadcast_split_paths(shape: tuple[int, ...], iters: int, trials: int) -> di
     def scatter():
         return wf_mesh.broadcast_split_tensor(source if rank == 0 else None, 1, group)
 
-    assert torch.equal(broadcast_then_split(), scatter())
-    return _compare({"broadcast_then_split": broadcast_then_split, "broadcast_split_tensor": scatter}, iters, trials)
+    shard = scatter()
+    assert torch.equal(broadcast_then_split(), shard)
+    times = _compare({"broadcast_then_split": broadcast_then_split, "broadcast_split_tensor": scatter}, iters, trials)
+    # bytes one receiver gets: its shard (scatter) vs the whole tensor (broadcast-then-split)
+    return {**times, "bytes_per_receiver": shard.nbytes, "broadcast_bytes_per_receiver": buffer.nbytes}
 
 
 def main() -> None:

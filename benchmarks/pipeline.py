@@ -13,11 +13,13 @@ allocates the receive); ``PipelineP2P.send`` / ``irecv_into`` (no copy, reused b
 
     python benchmarks/pipeline.py            # about a minute on 2 cores
     python benchmarks/pipeline.py --quick    # smoke run, a few seconds
+    python benchmarks/pipeline.py --json out.json   # also write the medians (seconds per round trip) as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -97,6 +99,7 @@ def bench(numel: int, iters: int, repeats: int) -> dict[str, list[float]] | None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few iterations only (smoke run)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     small_iters, big_iters, repeats = (20, 2, 1) if args.quick else (200, 5, 21)
 
@@ -126,6 +129,13 @@ def main() -> None:
                         ("PipelineP2P checked / raw", "PipelineP2P(checked=True) send/recv")):  # fmt: skip
         print(f"  {label:<30} latency {med['small'][name] / med['small'][raw]:5.2f}x   "
               f"8 MiB {med['big'][name] / med['big'][raw]:5.2f}x")  # fmt: skip
+    if args.json:
+        result = {
+            "torch": torch.__version__, "quick": args.quick, "repeats": repeats, "raw": raw,
+            "small_bytes": SMALL * 4, "big_bytes": BIG * 4, "seconds_per_round_trip": med,
+        }  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

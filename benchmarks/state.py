@@ -145,8 +145,8 @@ def broadcast_paths(layers: int, width: int, iters: int, trials: int) -> dict:
         _timed_dist,
     )
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return {**times, "tensors": len(tensors), "bytes": nbytes, "collectives_bucketed": buckets + 1,
-            "collectives_per_tensor": len(tensors)}  # fmt: skip
+    return {**times, "tensors": len(tensors), "bytes": nbytes, "buckets": buckets,
+            "collectives_bucketed": buckets + 1, "collectives_per_tensor": len(tensors)}  # fmt: skip
 
 
 def main() -> None:
