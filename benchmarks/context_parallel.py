@@ -17,34 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import wf_mesh
+from _timing import compare, timed_dist  # benchmarks/ is on sys.path when a script runs
 from wf_mesh.testing import LocalCluster
-
-
-def _timed(fn, iters: int) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
-def _compare(paths: dict, iters: int, trials: int) -> dict[str, float]:
-    for fn in paths.values():  # warm-up
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(trials):
-        for name, fn in paths.items():
-            samples[name].append(_timed(fn, iters))
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, float]:
@@ -61,7 +40,7 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, f
         return torch.cat(out.chunk(cp, 0), dim=1)
 
     assert torch.equal(raw(), full) and torch.equal(wf_mesh.gather_sequence(dt), full)
-    return _compare(
+    return compare(
         {
             "raw": raw,
             "wf_mesh": lambda: wf_mesh.gather_sequence(dt),
@@ -69,6 +48,7 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, f
         },
         iters,
         trials,
+        timed_dist,
     )
 
 
@@ -88,7 +68,8 @@ def broadcast_split_paths(shape: tuple[int, ...], iters: int, trials: int) -> di
 
     shard = scatter()
     assert torch.equal(broadcast_then_split(), shard)
-    times = _compare({"broadcast_then_split": broadcast_then_split, "broadcast_split_tensor": scatter}, iters, trials)
+    paths = {"broadcast_then_split": broadcast_then_split, "broadcast_split_tensor": scatter}
+    times = compare(paths, iters, trials, timed_dist)
     # bytes one receiver gets: its shard (scatter) vs the whole tensor (broadcast-then-split)
     return {**times, "bytes_per_receiver": shard.nbytes, "broadcast_bytes_per_receiver": buffer.nbytes}
 

@@ -18,46 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from _timing import compare, timed_dist  # benchmarks/ is on sys.path when a script runs
+
 from wf_mesh.ema import ShardedEMA
 from wf_mesh.state_sync import broadcast_dtensor_model_states
 from wf_mesh.testing import LocalCluster
-
-
-def _compare(paths: dict, iters: int, trials: int, timed=None) -> dict[str, float]:
-    """Median seconds per call of each path, trials interleaved so that machine noise hits all paths alike."""
-    timed = timed or _timed_local
-    for fn in paths.values():  # warm-up
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(trials):
-        for name, fn in paths.items():
-            samples[name].append(timed(fn, iters))
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def _timed_local(fn, iters: int) -> float:
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters
-
-
-def _timed_dist(fn, iters: int) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 class Flat(nn.Module):
@@ -86,7 +57,7 @@ def ema_large(count: int, numel: int, iters: int, trials: int) -> dict[str, floa
             "ShardedEMA.update": lambda: ema.update(model),
             "ShardedEMA.update (bf16 model)": lambda: half_ema.update(half),
         }
-        return _compare(paths, iters, trials)
+        return compare(paths, iters, trials)
 
 
 def ema_small(count: int, numel: int, iters: int, trials: int) -> dict[str, float]:
@@ -101,7 +72,7 @@ def ema_small(count: int, numel: int, iters: int, trials: int) -> dict[str, floa
             t.lerp_(p, 0.001)
 
     with torch.no_grad():
-        return _compare(
+        return compare(
             {
                 "copy_ (foreach)": lambda: torch._foreach_copy_(copy_targets, src),
                 "ShardedEMA.update": lambda: ema.update(model),
@@ -138,11 +109,11 @@ def broadcast_paths(layers: int, width: int, iters: int, trials: int) -> dict:
         for t in tensors:
             dist.broadcast(t, group=group, group_src=0)
 
-    times = _compare(
+    times = compare(
         {"bucketed": lambda: broadcast_dtensor_model_states(model, mesh), "per_tensor": per_tensor},
         iters,
         trials,
-        _timed_dist,
+        timed_dist,
     )
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return {**times, "tensors": len(tensors), "bytes": nbytes, "buckets": buckets,
