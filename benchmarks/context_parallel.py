@@ -2,8 +2,11 @@
 
 Measures, in one run on local gloo processes (CPU):
 1. gather of a (2, 4096, 1024) fp32 tensor along dim 1 at cp 2 and cp 4: ``wf_mesh.gather_sequence`` on a
-   DTensor vs raw ``all_gather_single`` + reorder (``torch.cat`` of the per-rank chunks along dim 1); also the
-   legacy ``cat_outputs_cp`` (which first agrees on shapes with a tiny header all-gather);
+   DTensor vs raw ``all_gather_single`` + reorder (``torch.cat`` of the per-rank chunks along dim 1), the raw
+   path allocating its gather buffer per call like the DTensor path ("raw") and reusing one buffer
+   ("raw reused": on CPU, glibc maps and unmaps such large blocks on every allocation, so reuse saves the page
+   faults; CUDA's caching allocator makes both the same); also the legacy ``cat_outputs_cp`` (which first
+   agrees on shapes with a tiny header all-gather);
 2. per-call overhead on a small (2, 8, 16) tensor: the same three paths, in microseconds per call;
 3. ``broadcast_split_tensor`` (a scatter: each receiver gets its shard) vs broadcast-then-split: bytes each
    receiver gets and time.
@@ -35,7 +38,12 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, f
     local = dt.to_local()
     out = torch.empty((cp * local.shape[0], *local.shape[1:]))
 
-    def raw():
+    def raw():  # allocates its gather buffer per call, as any function returning a new tensor does
+        gathered = torch.empty((cp * local.shape[0], *local.shape[1:]))
+        dist.all_gather_single(gathered, local, group=group)
+        return torch.cat(gathered.chunk(cp, 0), dim=1)
+
+    def raw_reused():  # reuses one gather buffer across calls (only the reordered result is new)
         dist.all_gather_single(out, local, group=group)
         return torch.cat(out.chunk(cp, 0), dim=1)
 
@@ -43,6 +51,7 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, f
     return compare(
         {
             "raw": raw,
+            "raw_reused": raw_reused,
             "wf_mesh": lambda: wf_mesh.gather_sequence(dt),
             "legacy": lambda: wf_mesh.cat_outputs_cp(local, 1, group),
         },
@@ -85,7 +94,8 @@ def main() -> None:
     results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "big_shape": big, "gather": {}, "small": {}}
     print(f"# wf_mesh context-parallel benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, gloo")
     print(f"\n## gather {big} fp32 along dim 1 ({'quick' if args.quick else 'full'})")
-    print(f"{'cp':>3} {'raw ms':>9} {'wf_mesh ms':>11} {'ratio':>6} {'legacy ms':>10} {'ratio':>6}")
+    print(f"{'cp':>3} {'raw ms':>9} {'wf_mesh ms':>11} {'ratio':>6} {'legacy ms':>10} {'ratio':>6} "
+          f"{'raw reused ms':>14} {'wf_mesh/reused':>15}")  # fmt: skip
     small = {}
     for cp in (2, 4):
         cluster = LocalCluster(cp).start()
@@ -99,7 +109,8 @@ def main() -> None:
         results["small"][cp] = small[cp]
         results.setdefault("broadcast_split", {})[cp] = split
         print(f"{cp:>3} {r['raw'] * 1e3:>9.2f} {r['wf_mesh'] * 1e3:>11.2f} {r['wf_mesh'] / r['raw']:>6.2f} "
-              f"{r['legacy'] * 1e3:>10.2f} {r['legacy'] / r['raw']:>6.2f}")  # fmt: skip
+              f"{r['legacy'] * 1e3:>10.2f} {r['legacy'] / r['raw']:>6.2f} {r['raw_reused'] * 1e3:>14.2f} "
+              f"{r['wf_mesh'] / r['raw_reused']:>15.2f}")  # fmt: skip
     print("\n## per-call cost on a small (2, 8, 16) tensor (us per call; overhead = wf_mesh - raw)")
     print(f"{'cp':>3} {'raw':>8} {'wf_mesh':>8} {'overhead':>9} {'legacy':>8} {'overhead':>9}")
     for cp, r in small.items():

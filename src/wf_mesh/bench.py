@@ -88,6 +88,8 @@ def _context_parallel(r: dict) -> list[Ratio]:
     for cp, g in r["gather"].items():
         rows.append(_at_most(f"gather cp {cp}: wf_mesh DTensor / raw all-gather", g["wf_mesh"] / g["raw"], 1.10))
         rows.append(_report(f"gather cp {cp}: legacy cat_outputs_cp / raw", g["legacy"] / g["raw"]))
+        if "raw_reused" in g:
+            rows.append(_report(f"gather cp {cp}: wf_mesh / raw reusing its gather buffer", g["wf_mesh"] / g["raw_reused"]))
     for cp, s in r["small"].items():
         overhead = (s["wf_mesh"] - s["raw"]) * 1e6
         rows.append(_report(f"small gather cp {cp}: wf_mesh / raw ({overhead:+.0f} us/call)", s["wf_mesh"] / s["raw"]))
