@@ -13,15 +13,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShapeMismatchError", "TensorHeader", "broadcast", "exchange_headers", "group_device"]
+__all__ = ["DTYPES", "DTYPE_CODES", "ShapeMismatchError", "TensorHeader", "broadcast", "exchange_headers", "group_device"]
 
 MAX_NDIM = 8
-# Fixed dtype codes (no pickle): index into this tuple.
+# Fixed dtype codes (no pickle) for every header wf_mesh exchanges (collectives, pipeline): index into this tuple.
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
 )  # fmt: skip
+DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(DTYPES)}
 KIND_NONE, KIND_TENSOR, KIND_STR, KIND_UNSUPPORTED = 0, 1, 2, 3
 _KIND_NAMES = {KIND_NONE: "None", KIND_TENSOR: "Tensor", KIND_STR: "str"}
 
@@ -41,11 +42,11 @@ class TensorHeader(tuple):
         if item is None:
             return cls((KIND_NONE, -1, 0))
         if isinstance(item, str):
-            return cls((KIND_STR, DTYPES.index(torch.uint8), 1, len(item.encode("utf-8"))))
+            return cls((KIND_STR, DTYPE_CODES[torch.uint8], 1, len(item.encode("utf-8"))))
         if isinstance(item, torch.Tensor):
             if item.dtype not in DTYPES or item.ndim > MAX_NDIM:
                 return cls((KIND_UNSUPPORTED, -1, 0))
-            return cls((KIND_TENSOR, DTYPES.index(item.dtype), item.ndim, *item.shape))
+            return cls((KIND_TENSOR, DTYPE_CODES[item.dtype], item.ndim, *item.shape))
         return cls((KIND_UNSUPPORTED, -1, 0))
 
     @property

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
+from wf_mesh.collectives import DTYPE_CODES, DTYPES
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, register_destroy_hook
 
 if TYPE_CHECKING:
@@ -73,12 +74,6 @@ Peer = Literal["next", "prev"]
 HEADER_MAGIC = 0x77666D657368  # b"wfmesh"
 HEADER_LEN = 16
 MAX_CHECKED_NDIM = HEADER_LEN - 3
-HEADER_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-)  # fmt: skip
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(HEADER_DTYPES)}
 
 
 class PipelineStateError(RuntimeError, AssertionError):
@@ -360,11 +355,11 @@ class PipelineP2P:
             work.wait()
 
     def _header(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dtype not in _DTYPE_CODE:
-            raise ValueError(f"checked send: dtype {tensor.dtype} is not supported; supported: {list(HEADER_DTYPES)}")
+        if tensor.dtype not in DTYPE_CODES:
+            raise ValueError(f"checked send: dtype {tensor.dtype} is not supported; supported: {list(DTYPES)}")
         if tensor.dim() > MAX_CHECKED_NDIM:
             raise ValueError(f"checked send: {tensor.dim()} dims, at most {MAX_CHECKED_NDIM} are supported")
-        values = [HEADER_MAGIC, _DTYPE_CODE[tensor.dtype], tensor.dim(), *tensor.shape]
+        values = [HEADER_MAGIC, DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape]
         return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64, device=self.device)
 
     def _mismatches(
@@ -376,12 +371,12 @@ class PipelineP2P:
         for i, (header, buffer, group_src) in enumerate(received):
             magic, code, ndim, *dims = header.tolist()
             src = self.ranks[group_src]
-            if magic != HEADER_MAGIC or not 0 <= code < len(HEADER_DTYPES) or not 0 <= ndim <= MAX_CHECKED_NDIM:
+            if magic != HEADER_MAGIC or not 0 <= code < len(DTYPES) or not 0 <= ndim <= MAX_CHECKED_NDIM:
                 raise ValueError(
                     f"checked receive on pp stage {self.stage} from global rank {src}: what arrived is not a "
                     "checked-mode header; both ends of a link must use checked=True"
                 )
-            shape, dtype = tuple(dims[:ndim]), HEADER_DTYPES[code]
+            shape, dtype = tuple(dims[:ndim]), DTYPES[code]
             if (shape, dtype) != (tuple(buffer.shape), buffer.dtype):
                 message = (
                     f"checked receive on pp stage {self.stage} from pp stage {group_src} (global rank {src}): "
