@@ -44,7 +44,7 @@ def dist_init_twice(config):
         wf_mesh.dist_init({**config, "cp_size": 1, "dp_size": 4})
     except RuntimeError as e:
         message = str(e)
-    return mesh is again, mesh.coords, message
+    return mesh is again, mesh.coords(), message
 
 
 def test_idempotent_when_initialized():
@@ -58,7 +58,7 @@ def test_idempotent_when_initialized():
 SCRIPT = """
 import json, sys, wf_mesh, torch.distributed as dist
 mesh = wf_mesh.dist_init(dict(distributed_backend=None, distributed_timeout_minutes=1, cp_size=1, pp_size=1))
-print(json.dumps([dist.get_backend(), dist.get_world_size(), mesh.coords, mesh.device_type]))
+print(json.dumps([dist.get_backend(), dist.get_world_size(), mesh.coords(), mesh.device_type]))
 wf_mesh.destroy_model_parallel()
 dist.destroy_process_group()
 """

@@ -2,9 +2,11 @@
 
 import itertools
 import math
+import re
 
 import pytest
 
+from wf_mesh.errors import DegreeError
 from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
 
 TOKENS = ["tp", "cp", "pp", "dp", "tp-cp", "dp-cp", "tp-pp", "tp-cp-dp", "tp-dp", "cp-pp", "tp-cp-pp-dp"]
@@ -124,8 +126,9 @@ def test_rank_arithmetic_round_trips():
 
 
 def test_dp_inferred_and_missing_axes_appended():
-    dims = ParallelDims(tp=2, order="tp-cp").resolve(8)
-    assert (dims.dp, dims.order, dims.world_size) == (4, "tp-cp-pp-dp", 8)
+    dims = ParallelDims(tp=2, order="tp-cp-dp").resolve(8)
+    assert (dims.dp, dims.order, dims.world_size) == (4, "tp-cp-dp-pp", 8)
+    assert ParallelDims(tp=2, order="tp-cp").resolve(2).order == "tp-cp-pp-dp"  # left-out axes of degree 1
     assert ParallelDims().resolve(1).world_size == 1
     assert (dims.tp_enabled, dims.cp_enabled, dims.pp_enabled, dims.dp_enabled) == (True, False, False, True)
 
@@ -139,8 +142,8 @@ def test_size_one_world():
 @pytest.mark.parametrize(
     "kwargs, world, message",
     [
-        (dict(tp=3), 8, "world_size=8 is not divisible by tp*cp*pp=3 (tp=3, cp=1, pp=1); cannot infer dp"),
-        (dict(tp=2, cp=2, pp=2, dp=2), 8, "tp*cp*pp*dp = 16 != world_size=8 (tp=2, cp=2, pp=2, dp=2)"),
+        (dict(tp=3), 8, "world_size=8 is not divisible by tp*cp*pp = 3*1*1 = 3; cannot infer dp"),
+        (dict(tp=2, cp=2, pp=2, dp=2), 8, "tp*cp*pp*dp = 2*2*2*2 = 16 != world_size=8"),
         (dict(tp=0), 8, "tp=0 must be >= 1 (dp may be -1 to infer it); tp=0, cp=1, pp=1, dp=-1"),
         (dict(cp=-2), 8, "cp=-2 must be >= 1"),
         (dict(order="tp-cp-xx-dp"), 8, "bad order 'tp-cp-xx-dp': unknown axes ['xx'], repeated axes []"),
@@ -159,7 +162,7 @@ def test_type_and_lookup_errors():
     with pytest.raises(TypeError, match="tp must be an int, got str '2'"):
         ParallelDims(tp="2")
     dims = ParallelDims(tp=2).resolve(4)
-    with pytest.raises(ValueError, match=r"unknown axis \['ep'\] in 'tp-ep'"):
+    with pytest.raises(ValueError, match=r"unknown axis 'ep' in 'tp-ep'"):
         dims.groups("tp-ep")
     with pytest.raises(ValueError, match="repeats an axis"):
         parse_axes("tp-tp")
@@ -178,3 +181,76 @@ def test_plans_100k_ranks():
     assert len(groups) == 100_000 // 2500 and len(groups[0]) == 2500
     assert groups[0][:6] == [0, 8, 16, 24, 32, 200]  # cp (stride 8) fastest, then dp (stride 200)
     assert dims.group_of("dp-cp", 99_999) == groups[-1]
+
+
+# ---- contract fixes and the cp sub-axes ------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["", "tp-cp-pp"])
+def test_left_out_axis_is_checked_after_dp_is_inferred(order):
+    with pytest.raises(DegreeError, match=f"order {order!r} leaves out dp=2; an axis may be left out only if"):
+        ParallelDims(order=order).resolve(2)
+    assert ParallelDims(order=order).resolve(1).order == "tp-cp-pp-dp"
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: ParallelDims().resolve("4"), TypeError, "world_size must be an int, got str '4'"),
+        (lambda: ParallelDims().resolve(4.0), TypeError, "world_size must be an int, got float 4.0"),
+        (lambda: ParallelDims(cp=2.9), TypeError, "cp must be an int, got float 2.9"),
+        (lambda: ParallelDims(tp=True), TypeError, "tp must be an int, got bool True"),
+        (lambda: ParallelDims().resolve(4).coords(1.5), TypeError, "rank must be an int, got float 1.5"),
+        (lambda: ParallelDims().resolve(4).rank_of(dp=1.0), TypeError, "dp coordinate must be an int, got float"),
+        (lambda: ParallelDims(cp=4, cp_ulysses=3), DegreeError, "cp_ulysses=3 must divide cp=4"),
+        (lambda: ParallelDims(order=["tp"]), TypeError, "order must be a str like 'tp-cp-pp-dp', got list"),
+    ],
+)
+def test_integers_are_checked_as_integers(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+def test_degree_errors_are_value_and_runtime_errors():
+    with pytest.raises(ValueError):
+        ParallelDims(tp=3).resolve(8)
+    with pytest.raises(RuntimeError):  # what Megatron's initialize_model_parallel raises there
+        ParallelDims(tp=3).resolve(8)
+
+
+def test_cp_sub_axes_split_cp_with_ulysses_fastest():
+    dims = ParallelDims(tp=2, cp=8, cp_ulysses=2).resolve(32)  # dp = 2
+    assert (dims.cp_ring, dims.degree("cp_ulysses"), dims.degree("cp_ring"), dims.degree("cp")) == (4, 2, 4, 8)
+    cp_group = dims.group_of("cp", 0)
+    assert cp_group == [0, 2, 4, 6, 8, 10, 12, 14]
+    # cp index = ring * cp_ulysses + ulysses: Ulysses groups are consecutive cp ranks, rings stride over them
+    assert dims.group_of("cp_ulysses", 0) == [0, 2] and dims.group_of("cp_ulysses", 6) == [4, 6]
+    assert dims.group_of("cp_ring", 0) == [0, 4, 8, 12] and dims.group_of("cp_ring", 2) == [2, 6, 10, 14]
+    assert dims.groups("cp_ring-cp_ulysses") == dims.groups("cp")
+    assert dims.groups("dp_cp_ring")[0] == [0, 4, 8, 12, 16, 20, 24, 28]
+    for rank in range(32):
+        sub = dims.sub_coords(rank)
+        assert sub["cp_ring"] * 2 + sub["cp_ulysses"] == dims.coords(rank)["cp"]
+        c = dims.coords(rank)
+        del c["cp"]
+        assert dims.rank_of(**c, **sub) == rank
+    assert ParallelDims(cp=4).resolve(4).groups("cp_ring") == [[0, 1, 2, 3]]  # cp_ulysses=1: the ring is cp
+
+
+def test_group_arithmetic_agrees_with_groups():
+    dims = ParallelDims(tp=2, cp=4, pp=2, cp_ulysses=2, order="cp-tp-dp-pp").resolve(32)
+    for token in [*TOKENS, "cp_ulysses", "cp_ring", "tp_cp_ring"]:
+        groups = dims.groups(token)
+        assert list(dims.iter_groups(token)) == groups and dims.num_groups(token) == len(groups)
+        for rank in range(32):
+            assert groups[dims.group_index(token, rank)] == dims.group_of(token, rank)
+            assert rank in dims.group_of(token, rank)
+
+
+def test_a_million_ranks_plan_by_arithmetic():
+    dims = ParallelDims(tp=8, cp=8, pp=4, cp_ulysses=2).resolve(1_048_576)
+    assert dims.dp == 4096
+    assert dims.group_of("dp_cp", 1_048_575)[-1] == 1_048_575
+    assert len(dims.group(("dp", "cp"), 0)) == 4096 * 8
+    huge = ParallelDims(tp=8).resolve(8 * 10**8)
+    assert huge.group_of("tp", 799_999_999) == list(range(799_999_992, 800_000_000))
+    with pytest.raises(ValueError, match="groups\\('dp'\\) would list all 800,000,000 ranks"):
+        huge.groups("dp")

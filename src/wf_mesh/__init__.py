@@ -30,103 +30,81 @@ Legacy API (drop-in for ``worldfoundry.core.distributed`` and Megatron/MAGI ``pa
     and wf_mesh.parallel_state accessors.
 """
 
-from wf_mesh import parallel_state
-from wf_mesh.collectives import ShapeMismatchError, broadcast
-from wf_mesh.context_parallel import (
-    IndivisibleSequenceError,
-    broadcast_shard,
-    find_split,
-    gather_sequence,
-    mesh_for_group,
-    shard_sequence,
-)
-from wf_mesh.ema import (
-    DTensorFastEmaModelUpdater,
-    ShardedEMA,
-    get_local_tensor_if_dtensor,
-)
-from wf_mesh.legacy import (
-    broadcast_split_tensor,
-    cat_outputs_cp,
-    cat_outputs_cp_with_grad,
-    is_last_rank,
-    is_last_tp_cp_rank,
-    split_inputs_cp,
-)
-from wf_mesh.log import print_per_rank, print_rank_0
-from wf_mesh.mesh import (
-    ParallelMesh,
-    get_parallel_mesh,
-    init_parallel,
-    parallel_mesh_or_none,
-)
-from wf_mesh.parallel_state import (
-    destroy_model_parallel,
-    initialize_model_parallel,
-    model_parallel_is_initialized,
-)
-from wf_mesh.pipeline import (
-    PipelineP2P,
-    PipelineStateError,
-    PPScheduler,
-    build_pipeline_stage,
-    init_pp_scheduler,
-    pp_scheduler,
-    pp_scheduler_or_none,
-)
-from wf_mesh.runtime import dist_init
-from wf_mesh.state_sync import broadcast_dtensor_model_states
-from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims
-from wf_mesh.video import VideoSplit, plan_video_split
-from wf_mesh.viz import PlacementView, TopologyView, show_topology
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
+# name -> module that defines it. Imported on first use, so that `import wf_mesh` (and the CLI's `plan`)
+# does not pay for importing torch.
+_EXPORTS: dict[str, str] = {
     # native
-    "AXES",
-    "DERIVED_AXES",
-    "IndivisibleSequenceError",
-    "ParallelDims",
-    "ParallelMesh",
-    "PipelineP2P",
-    "PipelineStateError",
-    "PlacementView",
-    "ShapeMismatchError",
-    "ShardedEMA",
-    "TopologyView",
-    "VideoSplit",
-    "broadcast_shard",
-    "build_pipeline_stage",
-    "gather_sequence",
-    "get_parallel_mesh",
-    "init_parallel",
-    "mesh_for_group",
-    "parallel_mesh_or_none",
-    "parallel_state",
-    "plan_video_split",
-    "pp_scheduler_or_none",
-    "shard_sequence",
-    "show_topology",
+    "AXES": "wf_mesh.topology",
+    "DERIVED_AXES": "wf_mesh.topology",
+    "ParallelDims": "wf_mesh.topology",
+    "ParallelMesh": "wf_mesh.mesh",
+    "get_parallel_mesh": "wf_mesh.mesh",
+    "init_parallel": "wf_mesh.mesh",
+    "parallel_mesh_or_none": "wf_mesh.mesh",
+    "DegreeError": "wf_mesh.errors",
+    "DisagreementError": "wf_mesh.errors",
+    "IndivisibleSequenceError": "wf_mesh.errors",
+    "NotInitializedError": "wf_mesh.errors",
+    "PipelineStateError": "wf_mesh.errors",
+    "ShapeMismatchError": "wf_mesh.errors",
+    "broadcast_shard": "wf_mesh.context_parallel",
+    "gather_sequence": "wf_mesh.context_parallel",
+    "shard_sequence": "wf_mesh.context_parallel",
+    "VideoSplit": "wf_mesh.video",
+    "plan_video_split": "wf_mesh.video",
+    "ShardedEMA": "wf_mesh.ema",
+    "PipelineP2P": "wf_mesh.pipeline",
+    "build_pipeline_stage": "wf_mesh.pipeline",
+    "PlacementView": "wf_mesh.viz",
+    "TopologyView": "wf_mesh.viz",
+    "show_topology": "wf_mesh.viz",
+    "broadcast_dtensor_model_states": "wf_mesh.state_sync",
+    "print_per_rank": "wf_mesh.log",
+    "print_rank_0": "wf_mesh.log",
+    "broadcast": "wf_mesh.collectives",
     # legacy
-    "DTensorFastEmaModelUpdater",
-    "PPScheduler",
-    "broadcast",
-    "broadcast_dtensor_model_states",
-    "broadcast_split_tensor",
-    "cat_outputs_cp",
-    "cat_outputs_cp_with_grad",
-    "destroy_model_parallel",
-    "dist_init",
-    "find_split",
-    "get_local_tensor_if_dtensor",
-    "init_pp_scheduler",
-    "initialize_model_parallel",
-    "is_last_rank",
-    "is_last_tp_cp_rank",
-    "model_parallel_is_initialized",
-    "print_per_rank",
-    "pp_scheduler",
-    "print_rank_0",
-    "split_inputs_cp",
-]
+    "mesh_for_group": "wf_mesh.context_parallel",
+    "find_split": "wf_mesh.context_parallel",
+    "DTensorFastEmaModelUpdater": "wf_mesh.ema",
+    "get_local_tensor_if_dtensor": "wf_mesh.ema",
+    "broadcast_split_tensor": "wf_mesh.legacy",
+    "cat_outputs_cp": "wf_mesh.legacy",
+    "cat_outputs_cp_with_grad": "wf_mesh.legacy",
+    "is_last_rank": "wf_mesh.legacy",
+    "is_last_tp_cp_rank": "wf_mesh.legacy",
+    "split_inputs_cp": "wf_mesh.legacy",
+    "destroy_model_parallel": "wf_mesh.parallel_state",
+    "initialize_model_parallel": "wf_mesh.parallel_state",
+    "model_parallel_is_initialized": "wf_mesh.parallel_state",
+    "PPScheduler": "wf_mesh.pipeline",
+    "init_pp_scheduler": "wf_mesh.pipeline",
+    "pp_scheduler": "wf_mesh.pipeline",
+    "pp_scheduler_or_none": "wf_mesh.pipeline",
+    "dist_init": "wf_mesh.runtime",
+}
+_SUBMODULES = {"parallel_state"}
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"wf_mesh.{name}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'wf_mesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from wf_mesh import parallel_state  # noqa: F401

@@ -2,7 +2,9 @@
 
 Everything here is a small, named shim so that a torch upgrade is fixed in one place:
 
-- ``flatten``: ``DeviceMesh._flatten`` builds a 1-D mesh (and its process groups) over several axes.
+- ``flatten`` / ``unflatten``: ``DeviceMesh._flatten`` builds a 1-D mesh (and its process groups) over several
+  axes; ``DeviceMesh._unflatten`` splits one axis into several (the cp sub-axes of USP attention).
+- ``default_group_timeout``: the default group's timeout lives on its backend's private options.
 - ``backend_options``: per-group options (``ProcessGroupGloo._Options``, ``ProcessGroupNCCL.Options``) carrying
   the timeout; ``new_group`` otherwise falls back to torch's global 30-minute default, not the timeout the
   default group was created with.
@@ -37,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "backend_options",
     "clear_dtensor_caches",
+    "default_group_timeout",
     "destroy_subgroups",
     "dtensor_local",
     "flatten",
@@ -45,6 +48,7 @@ __all__ = [
     "process_group_counts",
     "register_fake_backend",
     "release_meshes",
+    "unflatten",
     "wait_if_async",
 ]
 
@@ -54,6 +58,19 @@ NCCL_OPTION_KEYS = ("cga_cluster_size", "max_ctas", "min_ctas")
 def flatten(submesh: DeviceMesh, name: str, options: Any | None = None) -> DeviceMesh:
     """Flatten ``submesh`` (sliced from a root mesh) into a 1-D mesh called ``name``; creates its groups."""
     return submesh._flatten(name, backend_override=options)
+
+
+def unflatten(
+    mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...], options: Mapping[str, Any] | None
+) -> DeviceMesh:
+    """Split ``mesh``'s ``axis`` into ``names`` of ``sizes`` (first slowest); creates the new axes' groups only."""
+    return mesh._unflatten(axis, sizes, names, backend_override=dict(options) if options else None)
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout the default process group was created with."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
 
 
 def backend_options(
@@ -82,14 +99,14 @@ def mesh_group_names(mesh: DeviceMesh) -> list[str]:
     return list(getattr(mesh, "_dim_group_names", []))
 
 
-def release_meshes(root: DeviceMesh, flattened: Iterable[DeviceMesh], destroy_groups: bool = True) -> None:
-    """Destroy the process groups of ``root`` and its ``flattened`` meshes (never the default group)
+def release_meshes(root: DeviceMesh, derived: Iterable[DeviceMesh], destroy_groups: bool = True) -> None:
+    """Destroy the process groups of ``root`` and the meshes ``derived`` from it (never the default group)
     and break the root <-> child reference cycle so the groups' sockets close now."""
-    flattened = list(flattened)
+    derived = list(derived)
     if destroy_groups and dist.is_initialized():
         default = dist.group.WORLD
         seen: set[str] = set()
-        for mesh in [root, *flattened]:
+        for mesh in [root, *derived]:
             for name in mesh_group_names(mesh):
                 if name in seen:
                     continue
@@ -97,7 +114,7 @@ def release_meshes(root: DeviceMesh, flattened: Iterable[DeviceMesh], destroy_gr
                 pg = dist.distributed_c10d._resolve_process_group(name)
                 if pg is not None and pg is not default and pg != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(pg)
-    for mesh in flattened:
+    for mesh in derived:
         mesh._root_mesh = None
         mesh._pg_registry = {}
     root._flatten_mapping = {}
@@ -163,3 +180,4 @@ def clear_dtensor_caches() -> None:
     debug._clear_sharding_prop_cache()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
+

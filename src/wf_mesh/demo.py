@@ -81,8 +81,8 @@ Check = Callable[[DemoContext], str]
 # ---- the mesh and its groups ----------------------------------------------------------------------------
 def check_topology(ctx: DemoContext) -> str:
     """The mesh's coordinates and groups equal the pure plan (:meth:`ParallelDims.group_of`) on every axis."""
-    if ctx.mesh.coords != ctx.dims.coords(ctx.rank):
-        raise CheckFailed(f"coords {ctx.mesh.coords} != plan {ctx.dims.coords(ctx.rank)}")
+    if ctx.mesh.coords() != ctx.dims.coords(ctx.rank):
+        raise CheckFailed(f"coords {ctx.mesh.coords()} != plan {ctx.dims.coords(ctx.rank)}")
     bad = [
         f"{axis}: mesh {ctx.mesh.ranks(axis)} != plan {ctx.dims.group_of(axis, ctx.rank)}"
         for axis in PLAN_AXES
@@ -275,7 +275,7 @@ def run_checks(
 
 
 def _rank_report(ctx: DemoContext) -> dict:
-    return {"rank": ctx.rank, "coords": ctx.mesh.coords, "groups": {a: ctx.mesh.ranks(a) for a in PLAN_AXES}}
+    return {"rank": ctx.rank, "coords": ctx.mesh.coords(), "groups": {a: ctx.mesh.ranks(a) for a in PLAN_AXES}}
 
 
 def format_report(reports: Sequence[dict]) -> str:

@@ -20,7 +20,7 @@ def rank_tag() -> str:
     if not dist.is_initialized():
         return ""
     mesh = parallel_mesh_or_none()
-    coords = "".join(f" {axis}{index}" for axis, index in mesh.coords.items()) if mesh else ""
+    coords = "".join(f" {axis}{index}" for axis, index in mesh.coords().items()) if mesh else ""
     return f"[rank {dist.get_rank()}{coords}]"
 
 
@@ -29,7 +29,7 @@ def _log(message: object) -> None:
     rank = dist.get_rank() if dist.is_initialized() else None
     tag = rank_tag()
     # depth=2: attribute the record to the caller of print_rank_0 / print_per_rank.
-    logger.bind(rank=rank, coords=dict(mesh.coords) if mesh else None).opt(depth=2).info(
+    logger.bind(rank=rank, coords=mesh.coords() if mesh else None).opt(depth=2).info(
         "{}{}", f"{tag} " if tag else "", message
     )
 

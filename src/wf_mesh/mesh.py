@@ -14,6 +14,15 @@ coordinate is ``replicate * dp_shard + dp_shard_index`` (dp_shard fastest, torch
 group lists its dp_shard and cp coordinates in ``order`` order, fastest first, so with ``dp_replicate=1`` it
 is exactly the ``dp_cp`` group. Its 1-D axes are also registered as ``mesh["replicate"]`` and ``mesh["shard"]``.
 
+With ``ParallelDims(cp=C, cp_ulysses=U)`` (U > 1) the cp axis is also split into ``mesh["cp_ulysses"]`` (U consecutive
+cp ranks) and ``mesh["cp_ring"]`` (C / U ranks, stride U) for USP attention; see :mod:`wf_mesh.topology`.
+
+Creation is collective and agreed: before any subgroup exists, the ranks exchange their dims, order,
+``dp_replicate``, timeout, device type and ``checks`` over the default group, and if any rank's arguments are
+invalid or differ, every rank raises the same error naming each rank's value (instead of hanging in
+subgroup creation). Subgroups inherit the default group's timeout unless ``timeout`` says otherwise; an axis
+that spans the whole world then IS the default group (no new communicator).
+
 Example::
 
     dist.init_process_group("gloo")                 # or dist_init(config) / torchrun + nccl
@@ -26,47 +35,40 @@ Example::
 from __future__ import annotations
 
 import datetime
+import itertools
+import zlib
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from wf_mesh import _compat
-from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
+from wf_mesh import _compat, agreement
+from wf_mesh.errors import NotInitializedError, StateError
+from wf_mesh.topology import AXES, DERIVED_AXES, SUB_AXES, ParallelDims, as_int, parse_axes
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "ParallelMesh",
-    "get_parallel_mesh",
-    "hsdp_rank_grid",
-    "init_parallel",
-    "parallel_mesh_or_none",
-    "register_destroy_hook",
-    "run_destroy_hooks",
-]
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+__all__ = ["ParallelMesh", "get_parallel_mesh", "hsdp_rank_grid", "init_parallel", "parallel_mesh_or_none"]
 
 # Companion gloo groups for CPU-side work (Megatron's ``get_data_parallel_group_gloo``), created only when
 # the main backend is NCCL.
 GLOO_COMPANIONS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp"}
 
-_AXIS_BY_MEMBERS = {frozenset([a]): a for a in AXES} | {frozenset(m): n for n, m in DERIVED_AXES.items()}
+_ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
+_DEVICE_TYPES = ["cpu", "cuda"]
 
 _current: ParallelMesh | None = None
 _destroy_hooks: list[Callable[[], None]] = []
 
 
 def register_destroy_hook(hook: Callable[[], None]) -> None:
-    """Call ``hook()`` whenever the current mesh is destroyed, before its groups are (modules reset their
-    per-mesh state here: the PP scheduler, cached CP meshes, ``parallel_state.cp_size_t``)."""
+    """Call ``hook()`` whenever the current mesh is destroyed, before its groups are (the legacy layer resets
+    its process-wide state here: the PP scheduler, cached group meshes, ``parallel_state.cp_size_t``)."""
     if hook not in _destroy_hooks:
         _destroy_hooks.append(hook)
 
 
 def run_destroy_hooks() -> None:
-    """Reset every module's per-mesh state (what destroying the current mesh does first)."""
+    """Reset every registered per-mesh state (what destroying the current mesh does first)."""
     for hook in _destroy_hooks:
         hook()
 
@@ -83,7 +85,7 @@ class ParallelMesh:
         dims: ParallelDims,
         root: DeviceMesh,
         axes: dict[str, DeviceMesh],
-        flattened: list[DeviceMesh],
+        meshes: list[DeviceMesh],
         *,
         backend: str,
         timeout: datetime.timedelta,
@@ -94,10 +96,9 @@ class ParallelMesh:
         self.backend = backend
         self.timeout = timeout
         self._axes = axes
-        self._flattened = flattened
+        self._meshes = meshes  # every mesh built besides the root (flattened, unflattened, HSDP views)
         self._hsdp = hsdp
         self._global_rank = dist.get_rank()
-        self.coords: dict[str, int] = dims.coords(self._global_rank)
         self.destroyed = False
 
     # ---- lookups ------------------------------------------------------------------------------------
@@ -110,19 +111,35 @@ class ParallelMesh:
     def device_type(self) -> str:
         return self.root.device_type
 
+    @property
+    def device(self) -> torch.device:
+        """The device this mesh's collectives use: the current CUDA device on NCCL, else CPU."""
+        return agreement.comm_device(self.group(AXES[0]))
+
+    @property
+    def global_rank(self) -> int:
+        return self._global_rank
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """Coordinates ``{"tp": .., "cp": .., "pp": .., "dp": ..}`` of ``rank`` (default: this rank)."""
+        return self.dims.coords(self._global_rank if rank is None else rank)
+
     def _key(self, axis: str) -> str:
         if self.destroyed:
-            raise RuntimeError(f"this ParallelMesh ({self.dims}) was destroyed; initialize a new one")
+            raise StateError(f"this ParallelMesh ({self.dims}) was destroyed; initialize a new one")
+        if not isinstance(axis, str):
+            raise TypeError(f"a mesh axis is a str such as 'cp' or 'dp_cp', got {type(axis).__name__} {axis!r}")
         if axis in self._axes:
             return axis
         try:
-            members = frozenset(parse_axes(axis))
+            members = set(parse_axes(axis))
         except ValueError:
-            members = frozenset()
-        key = _AXIS_BY_MEMBERS.get(members)
-        if key not in self._axes:
-            raise KeyError(f"unknown mesh axis {axis!r}; valid axes are {list(self._axes)}")
-        return key
+            members = set()
+        for name in self._axes:  # "dp-cp" and "cp-dp" find the derived axis "dp_cp"
+            if name in AXES or name in SUB_AXES or name in DERIVED_AXES:
+                if set(parse_axes(name)) == members:
+                    return name
+        raise KeyError(f"unknown mesh axis {axis!r}; valid axes are {list(self._axes)}")
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         """The 1-D DeviceMesh of this rank's group on ``axis``."""
@@ -131,7 +148,7 @@ class ParallelMesh:
     def __contains__(self, axis: str) -> bool:
         try:
             self._key(axis)
-        except KeyError:
+        except (KeyError, TypeError):
             return False
         return True
 
@@ -150,10 +167,6 @@ class ParallelMesh:
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's ``axis`` group, in group order."""
         return self[axis].mesh.flatten().tolist()
-
-    @property
-    def global_rank(self) -> int:
-        return self._global_rank
 
     # ---- FSDP2 views --------------------------------------------------------------------------------
     def fsdp_mesh(self) -> DeviceMesh:
@@ -192,40 +205,106 @@ class ParallelMesh:
         if _current is self:
             _current = None
             run_destroy_hooks()
-        _compat.release_meshes(self.root, self._flattened, destroy_groups=destroy_process_groups)
+            agreement._set_checks(None)
+        _compat.release_meshes(self.root, self._meshes, destroy_groups=destroy_process_groups)
         self._axes = {}
-        self._flattened = []
+        self._meshes = []
         self._hsdp = None
 
     def __repr__(self) -> str:
-        state = "destroyed" if self.destroyed else f"rank={self._global_rank} coords={self.coords}"
+        state = "destroyed" if self.destroyed else f"rank={self._global_rank} coords={self.coords()}"
         return f"ParallelMesh({self.dims}, device_type={self.device_type!r}, {state})"
+
+
+def _timeout_ms(timeout: datetime.timedelta | None) -> int:
+    return -1 if timeout is None else round(timeout.total_seconds() * 1000)
+
+
+def _agree_on_creation(
+    dims: ParallelDims,
+    device_type: str | None,
+    timeout: datetime.timedelta | None,
+    nccl_config: Mapping[str, Mapping[str, int]] | None,
+    dp_replicate: int | None,
+    checks: bool | None,
+) -> tuple[ParallelDims, str, bool]:
+    """Validate here and agree with every rank (one all-gather over the default group); returns the resolved
+    dims, the device type and the checks setting, or raises the same error on every rank."""
+    backend = dist.get_backend()
+    resolved: list = []
+
+    def facts() -> list[int]:
+        if _current is not None:
+            raise StateError(
+                f"model parallel is already initialized ({_current.dims}); call "
+                "wf_mesh.destroy_model_parallel() before initializing again"
+            )
+        if not isinstance(dims, ParallelDims):
+            raise TypeError(f"init_parallel takes a ParallelDims, got {type(dims).__name__} {dims!r}")
+        d = dims.resolve(dist.get_world_size())
+        if dp_replicate is not None:
+            _check_dp_replicate(d, dp_replicate)
+        device = device_type if device_type is not None else ("cuda" if backend == "nccl" else "cpu")
+        if device not in _DEVICE_TYPES:
+            raise ValueError(f"device_type={device!r}: use one of {_DEVICE_TYPES}")
+        if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        config = dict(nccl_config or {})
+        unknown = sorted(set(config) - set(AXES) - set(DERIVED_AXES))
+        if unknown:
+            raise ValueError(f"nccl_config has unknown axes {unknown}; axes are {[*AXES, *DERIVED_AXES]}")
+        check = agreement.checks_enabled() if checks is None else bool(checks)
+        resolved[:] = [d, device, check]
+        return [
+            d.tp, d.cp, d.pp, d.dp, d.cp_ulysses, _ORDERS.index(d.order), dp_replicate or 0, _timeout_ms(timeout),
+            _DEVICE_TYPES.index(device), int(check), zlib.crc32(repr(sorted(config.items())).encode()),
+        ]  # fmt: skip
+
+    agreed = agreement.agree(dist.group.WORLD, facts, what="init_parallel", required=True)
+    names = ["tp", "cp", "pp", "dp", "cp_ulysses", "order", "dp_replicate", "timeout", "device_type", "checks",
+             "nccl_config"]  # fmt: skip
+    render = {
+        "order": lambda v: _ORDERS[v],
+        "timeout": lambda v: "the default group's" if v < 0 else f"{v / 1000:g} s",
+        "device_type": lambda v: _DEVICE_TYPES[v],
+        "dp_replicate": lambda v: v or None,
+        "checks": bool,
+        "nccl_config": lambda v: f"crc {v:08x}",
+    }
+    for i, name in enumerate(names):
+        agreed.require_same(name, lambda row, i=i, name=name: render.get(name, int)(row[i]),
+                            hint="; every rank must build the same mesh")  # fmt: skip
+    return tuple(resolved)
 
 
 def init_parallel(
     dims: ParallelDims | None = None,
     *,
     device_type: str | None = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    timeout: datetime.timedelta | None = None,
     nccl_config: Mapping[str, Mapping[str, int]] | None = None,
     dp_replicate: int | None = None,
+    checks: bool | None = None,
 ) -> ParallelMesh:
     """Build the mesh for ``dims`` (default: pure data parallel) over the default process group and make it
-    the process-wide current mesh. Collective: every rank must call it with the same arguments.
+    the process-wide current mesh. Collective: every rank must call it with the same arguments (they are
+    agreed first; see the module docstring).
 
     Args:
         dims: degrees and order; ``dp=-1`` is inferred from the world size.
         device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` when the default group uses NCCL, else ``"cpu"``.
-        timeout: timeout of every subgroup's collectives (torch's own default is not inherited).
+        timeout: timeout of the subgroups' collectives; default: the default group's.
         nccl_config: NCCL communicator options per axis (keys are axis names: ``"tp"``, ``"dp_cp"``,
             ``"tp_pp"``, ...; values map ``min_ctas``/``max_ctas``/``cga_cluster_size`` to ints). NCCL only.
         dp_replicate: also build the HSDP view (:meth:`ParallelMesh.hsdp_mesh`): dp splits into
             ``dp_replicate`` replicas x ``dp // dp_replicate`` shards. Must divide dp.
+        checks: run the validation-only agreement exchanges of every collective call (default: the
+            ``WF_MESH_CHECKS`` environment variable, on unless it is ``"0"``); see :mod:`wf_mesh.agreement`.
 
-    Raises:
-        RuntimeError: torch.distributed is not initialized, or a mesh is already current.
-        ValueError: the degrees do not multiply to the world size, or dp_replicate does not divide dp
-            (every factor is named).
+    Raises (on every rank, before any subgroup is created):
+        RuntimeError: torch.distributed is not initialized (this rank only), or a mesh is already current.
+        DegreeError: the degrees do not multiply to the world size, or dp_replicate does not divide dp.
+        DisagreementError: ranks passed different arguments.
     """
     global _current
     if not dist.is_initialized():
@@ -233,58 +312,60 @@ def init_parallel(
             "torch.distributed is not initialized: call wf_mesh.dist_init(config) or "
             "torch.distributed.init_process_group(...) before building the mesh"
         )
-    if _current is not None:
-        raise RuntimeError(
-            f"model parallel is already initialized ({_current.dims}); call "
-            "wf_mesh.destroy_model_parallel() before initializing again"
-        )
-    dims = (dims or ParallelDims()).resolve(dist.get_world_size())
-    if dp_replicate is not None:
-        _check_dp_replicate(dims, dp_replicate)
+    dims, device_type, checks = _agree_on_creation(
+        dims or ParallelDims(), device_type, timeout, nccl_config, dp_replicate, checks
+    )
     backend = dist.get_backend()
-    if device_type is None:
-        device_type = "cuda" if backend == "nccl" else "cpu"
     nccl_config = dict(nccl_config or {})
-    unknown = sorted(set(nccl_config) - set(AXES) - set(DERIVED_AXES))
-    if unknown:
-        raise ValueError(f"nccl_config has unknown axes {unknown}; axes are {[*AXES, *DERIVED_AXES]}")
+    default_timeout = _compat.default_group_timeout()
+    world = dims.world_size
 
-    def options(axis: str):
-        return _compat.backend_options(backend, timeout, nccl_config.get(axis))
+    def options(axis: str, size: int):
+        # No options = the default group for an axis spanning the world (torch's rule), and torch's global
+        # default timeout for the others: pass options only where they change something.
+        if size == world and timeout in (None, default_timeout) and axis not in nccl_config:
+            return None
+        return _compat.backend_options(backend, timeout or default_timeout, nccl_config.get(axis))
 
-    overrides = {a: options(a) for a in AXES}
     root = init_device_mesh(
         device_type,
         dims.mesh_shape,
         mesh_dim_names=dims.mesh_dim_names,
-        backend_override={a: o for a, o in overrides.items() if o is not None} or None,
+        backend_override={a: o for a in AXES if (o := options(a, dims.degree(a))) is not None} or None,
     )
     axes: dict[str, DeviceMesh] = {a: root[a] for a in AXES}
-    flattened: list[DeviceMesh] = []
+    meshes: list[DeviceMesh] = []
 
     def add_flattened(name: str, members: tuple[str, ...], opts) -> None:
         submesh = root[tuple(a for a in dims.mesh_dim_names if a in members)]  # slices go in root order
         axes[name] = _compat.flatten(submesh, name, opts)
-        flattened.append(axes[name])
+        meshes.append(axes[name])
 
     for name, members in DERIVED_AXES.items():
-        add_flattened(name, members, options(name))
+        add_flattened(name, members, options(name, dims.degree(name)))
+    if dims.cp_ulysses > 1:
+        split = _compat.unflatten(
+            root, "cp", (dims.cp_ring, dims.cp_ulysses), ("cp_ring", "cp_ulysses"),
+            {a: o for a in SUB_AXES if (o := options(a, dims.degree(a))) is not None},
+        )  # fmt: skip
+        axes["cp_ring"], axes["cp_ulysses"] = split["cp_ring"], split["cp_ulysses"]
+        meshes.append(split)
     if backend == "nccl":
-        gloo = ("gloo", _compat.backend_options("gloo", timeout))
+        gloo = ("gloo", _compat.backend_options("gloo", timeout or default_timeout))
         for name, source in GLOO_COMPANIONS.items():
             add_flattened(name, parse_axes(source), gloo)
     hsdp = None
     if dp_replicate is not None:
-        hsdp = _build_hsdp(dims, dp_replicate, device_type, options("shard"))
+        hsdp = _build_hsdp(dims, dp_replicate, device_type, options("shard", 0))
         axes["replicate"], axes["shard"] = hsdp["replicate"], hsdp["shard"]
-        flattened.append(hsdp)  # released (groups destroyed) with the flattened axes
-    _current = ParallelMesh(dims, root, axes, flattened, backend=backend, timeout=timeout, hsdp=hsdp)
+        meshes.append(hsdp)
+    _current = ParallelMesh(dims, root, axes, meshes, backend=backend, timeout=timeout or default_timeout, hsdp=hsdp)
+    agreement._set_checks(checks)
     return _current
 
 
 def _check_dp_replicate(dims: ParallelDims, dp_replicate: int) -> None:
-    if not isinstance(dp_replicate, int) or isinstance(dp_replicate, bool) or dp_replicate < 1:
-        raise ValueError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
+    dp_replicate = as_int("dp_replicate", dp_replicate, minimum=1)
     if dims.dp % dp_replicate:
         raise ValueError(
             f"dp_replicate={dp_replicate} does not divide dp={dims.dp} (tp={dims.tp}, cp={dims.cp}, "
@@ -324,9 +405,9 @@ def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts) -
 
 
 def get_parallel_mesh() -> ParallelMesh:
-    """The current mesh; RuntimeError if none was initialized."""
+    """The current mesh; NotInitializedError (a RuntimeError and an AssertionError) if none was initialized."""
     if _current is None:
-        raise RuntimeError(
+        raise NotInitializedError(
             "model parallel is not initialized: call wf_mesh.initialize_model_parallel(...) "
             "(or wf_mesh.init_parallel / wf_mesh.dist_init) first"
         )

@@ -1,0 +1,55 @@
+"""The exceptions wf_mesh raises beyond Python's own (pure: importing this module imports nothing else).
+
+Several inherit from two built-in types on purpose: the original ``worldfoundry`` / Megatron code raised
+``AssertionError`` or ``RuntimeError`` where wf_mesh raises something more precise, and callers that catch the
+old type keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DegreeError",
+    "DisagreementError",
+    "IndivisibleSequenceError",
+    "NotInitializedError",
+    "PipelineStateError",
+    "ShapeMismatchError",
+    "StateError",
+]
+
+
+class DegreeError(ValueError, RuntimeError):
+    """Parallel degrees that do not fit each other or the world size (``tp*cp*pp*dp != world_size``, a bad
+    order, ``cp_ulysses`` not dividing cp, ...). A ValueError, and a RuntimeError as Megatron raises there."""
+
+
+class DisagreementError(RuntimeError, ValueError):
+    """Ranks passed different values for something a collective call needs them to agree on (``seq_dim``,
+    ``seq_len``, the mesh, a bucket size, ...). Raised on EVERY rank of the group, before any data moves,
+    naming each rank's value."""
+
+
+class ShapeMismatchError(DisagreementError):
+    """Ranks disagree about a tensor's shape or dtype (raised on every rank, before any data moves).
+
+    A RuntimeError (what legacy callers catch around a failed gather) and a ValueError (what it is).
+    """
+
+
+class IndivisibleSequenceError(AssertionError, ValueError):
+    """A length that must divide evenly does not. An AssertionError (the legacy contract) and a ValueError."""
+
+
+class StateError(RuntimeError, AssertionError):
+    """wf_mesh state used out of order: before initialization, or initialized twice.
+
+    A RuntimeError and an AssertionError: Megatron's ``parallel_state`` and the original package assert.
+    """
+
+
+class NotInitializedError(StateError):
+    """Model parallel (the mesh) is used before it was initialized."""
+
+
+class PipelineStateError(StateError):
+    """The process-wide PP scheduler is used before :func:`~wf_mesh.init_pp_scheduler`, or created twice."""
