@@ -1,9 +1,13 @@
 """wf_mesh.testing: the pooled local cluster itself (errors, hangs, dead workers, clean-up between runs)."""
 
 import os
+import random
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import wf_mesh
@@ -70,3 +74,45 @@ def test_dead_worker_is_respawned():
     with pytest.raises(RuntimeError, match=r"rank \d of 2 died during die \(exit code 3\)"):
         cluster.run(die)
     assert cluster.run(whoami) == [(0, 2, False), (1, 2, False)]
+
+
+def raise_then_peer_stuck():
+    if dist.get_rank() == 0:
+        raise KeyError("rank 0 found no such key")
+    dist.barrier()  # rank 1 waits for rank 0 in a collective that never comes
+
+
+def test_first_failing_rank_is_reraised_while_its_peer_is_stuck():
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="rank 0 found no such key") as info:
+        run_distributed(2, raise_then_peer_stuck)
+    assert "in raise_then_peer_stuck" in str(info.value.__cause__)
+    assert time.monotonic() - start < 60  # the stuck peer is aborted after the grace period, not the 60 s timeout
+    assert run_distributed(2, whoami) == [(0, 2, False), (1, 2, False)]  # a fresh cluster
+
+
+def test_return_exceptions_gives_every_ranks_outcome():
+    out = run_distributed(4, raise_on, 2, return_exceptions=True)
+    assert out[:2] == ["fine", "fine"] and out[3] == "fine"
+    assert isinstance(out[2], ValueError) and str(out[2]) == "bad value on rank 2"
+    assert isinstance(out[2].__cause__, RemoteTraceback) and out[2].__cause__.rank == 2
+    stuck = run_distributed(2, raise_then_peer_stuck, return_exceptions=True)
+    assert isinstance(stuck[0], KeyError) and isinstance(stuck[1], TimeoutError)
+    assert "rank 1 of 2 did not finish raise_then_peer_stuck" in str(stuck[1])
+
+
+def draw():
+    return torch.rand(3).tolist(), random.random()
+
+
+def test_rng_is_reset_before_every_function():
+    first = run_distributed(2, draw)
+    assert run_distributed(2, draw) == first and first[0] == first[1]
+
+
+def test_functions_the_workers_cannot_import_are_refused_with_the_reason():
+    with pytest.raises(TypeError, match="cannot be sent to the workers .*define them at module level"):
+        run_distributed(2, lambda: 1)
+    script = "from wf_mesh.testing import run_distributed\ndef f():\n    return 1\nrun_distributed(2, f)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "f is defined in an interactive __main__ (no file)" in proc.stderr

@@ -1,7 +1,7 @@
 """A persistent local cluster for tests and notebooks: N worker processes on gloo, started once.
 
-Spawning processes per test costs seconds on a small machine; a pooled run costs milliseconds. Each
-worker joins one gloo world when it starts and then runs whatever function it is sent, on every rank::
+Starting processes per test costs seconds on a small machine; a pooled run costs milliseconds. Each worker
+joins one gloo world when it starts and then runs whatever function it is sent, on every rank::
 
     from wf_mesh.testing import run_distributed
 
@@ -11,10 +11,21 @@ worker joins one gloo world when it starts and then runs whatever function it is
 
     assert run_distributed(4, check_groups, 2) == [0, 1, 0, 1]   # one result per rank
 
-After every function a worker destroys the model-parallel state and any process group other than the
-default one, so tests do not leak into each other. A function that raises on any rank re-raises the
-lowest rank's exception in the caller (same type, the remote traceback chained as its cause). A rank that
-hangs past the timeout or dies takes the cluster down; the next call starts a fresh one.
+Before every function a worker seeds torch's and Python's RNGs with 0; after it, the worker destroys the
+model-parallel state and every process group other than the default one, so tests do not leak into each
+other. Errors:
+
+- A function that raises on any rank re-raises, in the caller, the exception of the rank that raised FIRST
+  (same type and message, the remote traceback chained as its cause), also when its peers are stuck in a
+  collective: once a rank has raised, the others get :data:`ERROR_GRACE` seconds, then the cluster is aborted
+  (restarted on the next call). ``return_exceptions=True`` returns every rank's exception object in place of
+  its result instead (stuck ranks get a :class:`TimeoutError`).
+- A rank that hangs past the timeout or dies takes the cluster down; the next call starts a fresh one.
+- A function the workers cannot import (a lambda, a nested function, one defined in an interactive
+  ``__main__`` or a notebook) is refused before anything is sent, with what to do instead.
+
+Workers are forked from a server process that has already imported torch (``forkserver``), so a cluster of
+8 starts in a fraction of a second after the first one.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import random
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -42,8 +55,11 @@ DEFAULT_TIMEOUT = 120.0
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 """Timeout of the workers' gloo collectives: a rank stuck in a collective fails instead of hanging."""
 
-ERROR_GRACE = 10.0
-"""Seconds to wait for the other ranks once one rank has raised, before restarting the cluster."""
+ERROR_GRACE = 5.0
+"""Seconds the other ranks get to finish once one rank has raised, before the cluster is aborted."""
+
+CLEANUP_TIMEOUT = 30.0
+"""Seconds the workers get to clean up (barrier, destroy groups) after a function returned on every rank."""
 
 
 class RemoteTraceback(Exception):
@@ -69,21 +85,44 @@ def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) 
             message = conn.recv()
         except EOFError:
             break
+        except Exception as exc:  # noqa: BLE001 - the function could not be unpickled here
+            message = ("unpicklable", exc)
         if message is None:
             break
-        fn, args, kwargs = message
-        try:
-            reply = ("ok", fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-            reply = ("error", _picklable(exc), traceback.format_exc())
         runs += 1
+        conn.send(_call(message))
         _store_barrier(store, f"run{runs}", world_size)
         _cleanup()
-        try:
-            conn.send(reply)
-        except Exception as exc:  # the result itself would not pickle
-            conn.send(("error", TypeError(f"result of {fn.__name__} is not picklable: {exc}"), ""))
+        conn.send(("clean",))
     dist.destroy_process_group()
+
+
+def _call(message: tuple) -> tuple:
+    """Run one function; ``("ok", result)`` or ``("error", exception, traceback text, time it was raised)``."""
+    if message[0] == "unpicklable":
+        exc = message[1]
+        error = TypeError(f"the worker could not load the function: {type(exc).__name__}: {exc}; {_IMPORTABLE}")
+        return ("error", error, "", time.time())
+    fn, args, kwargs = message
+    torch.manual_seed(0)
+    random.seed(0)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        return ("error", _picklable(exc), traceback.format_exc(), time.time())
+    try:
+        pickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001
+        error = TypeError(f"the result of {getattr(fn, '__name__', fn)} is not picklable: {exc}")
+        return ("error", error, "", time.time())
+    return ("ok", result)
+
+
+_IMPORTABLE = (
+    "functions sent to the cluster must be importable by the workers: define them at module level in a .py "
+    "file (a script run with `python script.py` works if its top-level code is guarded by "
+    "`if __name__ == '__main__':`), not as a lambda, a nested function, or in a notebook / interactive session"
+)
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -112,12 +151,25 @@ def _cleanup() -> None:
     gc.collect()
 
 
+def _check_importable(fn: Callable[..., Any]) -> None:
+    """TypeError, before anything is sent, for a function the workers cannot import."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    module = getattr(fn, "__module__", None)
+    main = sys.modules.get("__main__")
+    if module == "__main__" and not getattr(main, "__file__", None):
+        raise TypeError(f"{name} is defined in an interactive __main__ (no file); {_IMPORTABLE}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(f"{name} cannot be sent to the workers ({type(exc).__name__}: {exc}); {_IMPORTABLE}") from None
+
+
 class LocalCluster:
-    """``world_size`` spawned worker processes joined in one gloo world (see the module docstring)."""
+    """``world_size`` worker processes joined in one gloo world (see the module docstring)."""
 
     def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} must be >= 1")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         self.world_size = world_size
         self.timeout = timeout
         self._procs: list[mp.process.BaseProcess] = []
@@ -133,7 +185,8 @@ class LocalCluster:
         self.shutdown()
         # The store server lives in this process on a free port, so there is no port race between workers.
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "wf_mesh"])
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -146,22 +199,25 @@ class LocalCluster:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        replies = self._collect(self.timeout, "start")
+        replies = self._collect(self.timeout, "start", None)
         for rank, reply in enumerate(replies):
-            if reply[0] != "ready":
-                self.shutdown()
-                raise RuntimeError(f"worker {rank} failed to start: {reply}")
+            if reply is None or reply[0] != "ready":
+                self.shutdown(force=True)
+                raise RuntimeError(f"worker {rank} of {self.world_size} failed to start: {reply}")
         return self
 
     def shutdown(self, force: bool = False) -> None:
         """Stop every worker: politely (they finish the current function), or at once with ``force``."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
+        if not force:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
         for proc in self._procs:
-            proc.join(timeout=0 if force else 5)
+            if force:
+                proc.kill()
+            proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -169,27 +225,61 @@ class LocalCluster:
             conn.close()
         self._procs, self._conns, self._store = [], [], None
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
-        ``fn`` must be importable by the workers (a module-level function). Raises the lowest rank's
-        exception if any rank raised; TimeoutError if a rank did not finish in ``timeout`` seconds.
+        ``fn`` must be importable by the workers (a module-level function). If any rank raised, re-raise the
+        exception of the rank that raised first, or, with ``return_exceptions=True``, return each rank's
+        exception in place of its result. TimeoutError if no rank raised and one did not finish in
+        ``timeout`` seconds (default: the cluster's).
         """
+        _check_importable(fn)
         if not self.alive:
             self.start()
+        what = getattr(fn, "__name__", repr(fn))
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        replies = self._collect(timeout or self.timeout, getattr(fn, "__name__", repr(fn)))
-        errors = [(rank, r) for rank, r in enumerate(replies) if r is not None and r[0] == "error"]
-        if errors:
-            rank, (_, exc, tb) = errors[0]
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised on rank {rank} of {self.world_size}; ranks that raised: {[r for r, _ in errors]})")
-            raise exc from RemoteTraceback(rank, tb)
-        return [r[1] for r in replies]
+        replies = self._collect(timeout or self.timeout, what, ERROR_GRACE)
+        if any(r is None for r in replies):
+            self.shutdown(force=True)  # stopped after a peer raised, or dead: restart on the next call
+        else:
+            clean = self._collect(CLEANUP_TIMEOUT, f"clean-up after {what}", None)
+            if any(r is None or r[0] != "clean" for r in clean):
+                self.shutdown(force=True)
+        errors = sorted(
+            (r[3], rank, r) for rank, r in enumerate(replies) if r is not None and r[0] == "error"
+        )  # by the time each rank raised
+        raised = [rank for _, rank, _ in errors]
+        outcomes: list[Any] = []
+        for rank, reply in enumerate(replies):
+            if reply is None:
+                outcomes.append(TimeoutError(
+                    f"rank {rank} of {self.world_size} did not finish {what}: it was still running when "
+                    f"rank(s) {raised} had raised {ERROR_GRACE:g} s earlier, so the cluster was stopped"
+                ))  # fmt: skip
+            elif reply[0] == "error":
+                _, exc, tb, _ = reply
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(raised on rank {rank} of {self.world_size}; ranks that raised: {sorted(raised)})")
+                exc.__cause__ = RemoteTraceback(rank, tb) if tb else None
+                outcomes.append(exc)
+            else:
+                outcomes.append(reply[1])
+        if return_exceptions or not errors:
+            return outcomes
+        raise outcomes[errors[0][1]]
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
-        """Wait for one reply per rank. On a hang or a dead worker, restart-on-next-use and raise."""
+    def _collect(self, timeout: float, what: str, grace: float | None) -> list[Any]:
+        """One reply per rank (None where none came). Without an error reply: a hang raises TimeoutError, a
+        dead worker RuntimeError, and the cluster stops (restarted on the next call). Once a rank has sent
+        an error, the others get ``grace`` seconds; those still running then are stopped and left None."""
         replies: list[Any] = [None] * self.world_size
         pending = dict(enumerate(self._conns))
         deadline = time.monotonic() + timeout
@@ -203,17 +293,19 @@ class LocalCluster:
                 except EOFError:
                     self._procs[rank].join(timeout=5)
                     code = self._procs[rank].exitcode
+                    if any(r is not None and r[0] == "error" for r in replies):
+                        continue  # the rank that raised explains more than the one that died after it
                     self.shutdown(force=True)
                     raise RuntimeError(
                         f"rank {rank} of {self.world_size} died during {what} (exit code {code}); "
                         "the cluster will restart on the next call"
                     ) from None
-                if replies[rank][0] == "error":  # others may be stuck in a collective with it
-                    deadline = min(deadline, time.monotonic() + ERROR_GRACE)
+                if grace is not None and replies[rank][0] == "error":  # others may be stuck in a collective
+                    deadline = min(deadline, time.monotonic() + grace)
         if pending:
             self.shutdown(force=True)
             if any(r is not None and r[0] == "error" for r in replies):
-                return replies  # the caller raises the real error
+                return replies
             raise TimeoutError(
                 f"ranks {sorted(pending)} of {self.world_size} did not finish {what} within {timeout:.0f}s; "
                 "the cluster was stopped and will restart on the next call"
@@ -231,9 +323,14 @@ def get_cluster(world_size: int) -> LocalCluster:
     return _clusters[world_size]
 
 
-def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-    """Run ``fn`` on every rank of the shared ``world_size`` cluster; per-rank results in rank order."""
-    return get_cluster(world_size).run(fn, *args, **kwargs)
+def run_distributed(
+    world_size: int, fn: Callable[..., Any], *args: Any, return_exceptions: bool = False, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn`` on every rank of the shared ``world_size`` cluster; per-rank results in rank order.
+
+    ``return_exceptions=True``: a rank that raised gives its exception object instead of a result.
+    """
+    return get_cluster(world_size).run(fn, *args, return_exceptions=return_exceptions, **kwargs)
 
 
 def shutdown_clusters() -> None:
