@@ -37,7 +37,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,9 +136,8 @@ class ParallelMesh:
         except ValueError:
             members = set()
         for name in self._axes:  # "dp-cp" and "cp-dp" find the derived axis "dp_cp"
-            if name in AXES or name in SUB_AXES or name in DERIVED_AXES:
-                if set(parse_axes(name)) == members:
-                    return name
+            if members and members == _members(name):
+                return name
         raise KeyError(f"unknown mesh axis {axis!r}; valid axes are {list(self._axes)}")
 
     def __getitem__(self, axis: str) -> DeviceMesh:
@@ -216,6 +215,13 @@ class ParallelMesh:
         return f"ParallelMesh({self.dims}, device_type={self.device_type!r}, {state})"
 
 
+def _members(axis: str) -> set[str]:
+    try:
+        return set(parse_axes(axis))
+    except ValueError:  # "replicate", "shard", "dp_gloo": names, not tokens
+        return set()
+
+
 def _timeout_ms(timeout: datetime.timedelta | None) -> int:
     return -1 if timeout is None else round(timeout.total_seconds() * 1000)
 
@@ -227,6 +233,7 @@ def _agree_on_creation(
     nccl_config: Mapping[str, Mapping[str, int]] | None,
     dp_replicate: int | None,
     checks: bool | None,
+    extra_axes: tuple[str, ...],
 ) -> tuple[ParallelDims, str, bool]:
     """Validate here and agree with every rank (one all-gather over the default group); returns the resolved
     dims, the device type and the checks setting, or raises the same error on every rank."""
@@ -254,15 +261,17 @@ def _agree_on_creation(
         if unknown:
             raise ValueError(f"nccl_config has unknown axes {unknown}; axes are {[*AXES, *DERIVED_AXES]}")
         check = agreement.checks_enabled() if checks is None else bool(checks)
+        extra = sorted(_extra_axes(d, extra_axes))
         resolved[:] = [d, device, check]
         return [
             d.tp, d.cp, d.pp, d.dp, d.cp_ulysses, _ORDERS.index(d.order), dp_replicate or 0, _timeout_ms(timeout),
             _DEVICE_TYPES.index(device), int(check), zlib.crc32(repr(sorted(config.items())).encode()),
+            zlib.crc32(repr(extra).encode()),
         ]  # fmt: skip
 
     agreed = agreement.agree(dist.group.WORLD, facts, what="init_parallel", required=True)
     names = ["tp", "cp", "pp", "dp", "cp_ulysses", "order", "dp_replicate", "timeout", "device_type", "checks",
-             "nccl_config"]  # fmt: skip
+             "nccl_config", "extra_axes"]  # fmt: skip
     render = {
         "order": lambda v: _ORDERS[v],
         "timeout": lambda v: "the default group's" if v < 0 else f"{v / 1000:g} s",
@@ -270,6 +279,7 @@ def _agree_on_creation(
         "dp_replicate": lambda v: v or None,
         "checks": bool,
         "nccl_config": lambda v: f"crc {v:08x}",
+        "extra_axes": lambda v: f"crc {v:08x}",
     }
     for i, name in enumerate(names):
         agreed.require_same(name, lambda row, i=i, name=name: render.get(name, int)(row[i]),
@@ -285,6 +295,7 @@ def init_parallel(
     nccl_config: Mapping[str, Mapping[str, int]] | None = None,
     dp_replicate: int | None = None,
     checks: bool | None = None,
+    extra_axes: Sequence[str] = (),
 ) -> ParallelMesh:
     """Build the mesh for ``dims`` (default: pure data parallel) over the default process group and make it
     the process-wide current mesh. Collective: every rank must call it with the same arguments (they are
@@ -300,6 +311,8 @@ def init_parallel(
             ``dp_replicate`` replicas x ``dp // dp_replicate`` shards. Must divide dp.
         checks: run the validation-only agreement exchanges of every collective call (default: the
             ``WF_MESH_CHECKS`` environment variable, on unless it is ``"0"``); see :mod:`wf_mesh.agreement`.
+        extra_axes: more flattened axes to create up front besides the derived ones, as tokens of base
+            axes (``"tp-pp-dp"``); each is registered under its members joined by ``_`` in ``order`` order.
 
     Raises (on every rank, before any subgroup is created):
         RuntimeError: torch.distributed is not initialized (this rank only), or a mesh is already current.
@@ -313,7 +326,7 @@ def init_parallel(
             "torch.distributed.init_process_group(...) before building the mesh"
         )
     dims, device_type, checks = _agree_on_creation(
-        dims or ParallelDims(), device_type, timeout, nccl_config, dp_replicate, checks
+        dims or ParallelDims(), device_type, timeout, nccl_config, dp_replicate, checks, tuple(extra_axes)
     )
     backend = dist.get_backend()
     nccl_config = dict(nccl_config or {})
@@ -341,8 +354,8 @@ def init_parallel(
         axes[name] = _compat.flatten(submesh, name, opts)
         meshes.append(axes[name])
 
-    for name, members in DERIVED_AXES.items():
-        add_flattened(name, members, options(name, dims.degree(name)))
+    for name, members in {**DERIVED_AXES, **_extra_axes(dims, extra_axes)}.items():
+        add_flattened(name, members, options(name, dims.degree(members)))
     if dims.cp_ulysses > 1:
         split = _compat.unflatten(
             root, "cp", (dims.cp_ring, dims.cp_ulysses), ("cp_ring", "cp_ulysses"),
@@ -362,6 +375,18 @@ def init_parallel(
     _current = ParallelMesh(dims, root, axes, meshes, backend=backend, timeout=timeout or default_timeout, hsdp=hsdp)
     agreement._set_checks(checks)
     return _current
+
+
+def _extra_axes(dims: ParallelDims, tokens: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """``{name: base axes}`` of the requested extra flattened axes that are not derived axes already."""
+    out = {}
+    for token in tokens:
+        members = tuple(a for a in dims.axis_order if a in parse_axes(token))
+        if set(members) != set(parse_axes(token)):
+            raise ValueError(f"extra axis {token!r}: only base axes {list(AXES)} can be flattened")
+        if len(members) > 1 and set(members) not in [set(m) for m in DERIVED_AXES.values()]:
+            out["_".join(members)] = members
+    return out
 
 
 def _check_dp_replicate(dims: ParallelDims, dp_replicate: int) -> None:
