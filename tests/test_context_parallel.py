@@ -9,13 +9,15 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import wf_mesh
 from wf_mesh import parallel_state as ps
-from wf_mesh.context_parallel import chunk_sizes
+from helpers import raised_everywhere, sample
+from wf_mesh.errors import (
+    DisagreementError,
+    IndivisibleSequenceError,
+    ShapeMismatchError,
+    StateError,
+)
+from wf_mesh.sizing import chunk_sizes
 from wf_mesh.testing import run_distributed
-
-
-def sample(shape, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 # ---- round trips -------------------------------------------------------------------------------------
@@ -23,7 +25,7 @@ def round_trip(tp, cp, pp, shape, seq_dim):
     wf_mesh.initialize_model_parallel(tp_size=tp, cp_size=cp, pp_size=pp)
     x = sample(shape)
     with CommDebugMode() as split_comm:
-        dt = wf_mesh.shard_sequence(x, seq_dim)
+        dt = wf_mesh.shard_sequence(x, seq_dim, as_dtensor=True)
     with CommDebugMode() as gather_comm:
         full = wf_mesh.gather_sequence(dt)
     local = dt.to_local()
@@ -64,7 +66,7 @@ def test_split_gather_round_trip_is_exact(world, degrees, shape, seq_dim):
         assert torch.equal(out["local"], want)
         assert out["placements"] == f"(Shard(dim={dim}),)" and out["global_shape"] == shape
         assert out["full_equal"] and out["from_local_equal"]
-        assert out["split_collectives"] == 0 and out["gather_collectives"] == 1
+        assert out["split_collectives"] == 0 and out["gather_collectives"] == 2  # agreement + all-gather
 
 
 # ---- gradients ---------------------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def weights_for(rank, shape):
 def gather_grads(shape, seq_dim, rule):
     wf_mesh.initialize_model_parallel(cp_size=dist.get_world_size())
     x = sample(shape)
-    local = wf_mesh.shard_sequence(x, seq_dim, as_dtensor=False).requires_grad_()
+    local = wf_mesh.shard_sequence(x, seq_dim).detach().requires_grad_()
     full = wf_mesh.gather_sequence(local, seq_dim, seq_len=x.shape[seq_dim], grad=rule)
     if rule == "replicate":  # every rank computes the same loss
         loss = (full.sin() * weights_for(0, shape)).sum()
@@ -100,7 +102,7 @@ def test_gradients_match_single_process(rule, world, shape, seq_dim):
 def partial_rule_collectives():
     wf_mesh.initialize_model_parallel(cp_size=2)
     local = torch.ones(2, 3, requires_grad=True)
-    full = wf_mesh.gather_sequence(local, 0, grad="partial", check=False)
+    full = wf_mesh.gather_sequence(local, 0, grad="partial")
     with CommDebugMode() as comm:
         full.sum().backward()
     return {str(k): v for k, v in comm.get_comm_counts().items()}
@@ -115,10 +117,10 @@ def test_partial_rule_backward_is_one_reduce_scatter():
 def dtensor_paths():
     mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
     x = sample((2, 6))
-    dt = wf_mesh.shard_sequence(x, 1, mesh=mesh)  # a ParallelMesh resolves to its cp axis
-    again = wf_mesh.shard_sequence(wf_mesh.gather_sequence(dt), 1, mesh=mesh["cp"])
+    dt = wf_mesh.shard_sequence(x, 1, mesh=mesh, as_dtensor=True)  # a ParallelMesh resolves to its cp axis
+    again = wf_mesh.shard_sequence(wf_mesh.gather_sequence(dt), 1, mesh=mesh["cp"], as_dtensor=True)
     replicated = DTensor.from_local(x, mesh["cp"], [Replicate()])
-    resharded = wf_mesh.shard_sequence(replicated, -1)  # a DTensor input is redistributed
+    resharded = wf_mesh.shard_sequence(replicated, -1, as_dtensor=True)  # a DTensor input is redistributed
     return (
         isinstance(dt, DTensor),
         torch.equal(again.to_local(), dt.to_local()),
@@ -235,57 +237,103 @@ def test_broadcast_tensor_and_str_from_smallest_rank():
 
 
 # ---- errors on every rank ----------------------------------------------------------------------------
-def catch(fn, *args):
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e), isinstance(e, ValueError), isinstance(e, (AssertionError, RuntimeError))
-    return None
+def misuse(case):
+    """One rank (or every rank) calls a CP function wrongly; every rank must raise the same error."""
+    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    group, rank = mesh.group("cp"), dist.get_rank()
+    x = torch.zeros(2, 4)
+    calls = {
+        "cat_shape": lambda: wf_mesh.cat_outputs_cp(torch.zeros(2, 3 + rank), 1, group),
+        "cat_dtype": lambda: wf_mesh.cat_outputs_cp(x.to(torch.float32 if rank else torch.float16), 1, group),
+        "seq_len_mismatch": lambda: wf_mesh.gather_sequence(x, 1, seq_len=8 if rank else 7),
+        "seq_len_wrong": lambda: wf_mesh.gather_sequence(torch.zeros(2, 3), 1, seq_len=5),
+        "seq_dim_out_of_range_on_one_rank": lambda: wf_mesh.gather_sequence(x, 5 if rank else 1),
+        "seq_dim_differs": lambda: wf_mesh.gather_sequence(torch.zeros(4, 4), rank),
+        "seq_dim_float": lambda: wf_mesh.gather_sequence(x, 1.0),
+        "dtensor_and_plain": lambda: wf_mesh.gather_sequence(
+            wf_mesh.shard_sequence(torch.zeros(2, 8), 1, as_dtensor=True) if rank else x, 1
+        ),
+        "split_seq_dim_differs": lambda: wf_mesh.broadcast_split_tensor(torch.zeros(4, 4), rank, group),
+        "cat_seq_dim_differs": lambda: wf_mesh.cat_outputs_cp(torch.zeros(4, 4), rank, group),
+        "split_indivisible": lambda: wf_mesh.split_inputs_cp(torch.zeros(2, 7), -1, group),
+        "broadcast_split_indivisible": lambda: wf_mesh.broadcast_split_tensor(
+            torch.zeros(9, 2) if rank == 0 else None, 0, group
+        ),
+        "bad_dim": lambda: wf_mesh.split_inputs_cp(x, 2, group),
+    }
+    return calls[case]()
 
 
-def mismatches(case):
-    wf_mesh.initialize_model_parallel(cp_size=2)
-    group, rank = ps.get_cp_group(), dist.get_rank()
-    if case == "cat_shape":
-        return catch(wf_mesh.cat_outputs_cp, torch.zeros(2, 3 + rank), 1, group)
-    if case == "cat_dtype":
-        return catch(wf_mesh.cat_outputs_cp, torch.zeros(2, 3, dtype=torch.float32 if rank else torch.float16), 1, group)
-    if case == "gather_uneven":
-        return catch(lambda: wf_mesh.gather_sequence(torch.zeros(2, 3), 1, seq_len=5))
-    if case == "broadcast_dtype":
-        return catch(wf_mesh.broadcast, torch.zeros(2, dtype=torch.int64 if rank else torch.float32), group)
-    if case == "broadcast_type":
-        return catch(wf_mesh.broadcast, {"a": 1} if rank else "ok", group)
-    if case == "split_indivisible":
-        return catch(wf_mesh.split_inputs_cp, torch.zeros(2, 7), -1, group)
-    if case == "broadcast_split_indivisible":
-        return catch(wf_mesh.broadcast_split_tensor, torch.zeros(9, 2) if rank == 0 else None, 0, group)
-    if case == "bad_dim":
-        return catch(wf_mesh.split_inputs_cp, torch.zeros(2, 4), 2, group)
-
-
-MISMATCHES = {
-    "cat_shape": ("ShapeMismatchError", "cat_outputs_cp: CP shards disagree across ranks (rank 1: Tensor(2, 4) torch.float32 (expected length 3 along dim 1))"),
-    "cat_dtype": ("ShapeMismatchError", "(rank 1: Tensor(2, 3) torch.float32); all shards: rank 0: Tensor(2, 3) torch.float16, rank 1: Tensor(2, 3) torch.float32"),
-    "gather_uneven": ("ShapeMismatchError", "rank 1: Tensor(2, 3) torch.float32 (expected length 2 along dim 1)"),
-    "broadcast_dtype": ("ShapeMismatchError", "broadcast: ranks [1] passed items that do not match the source (rank 0)"),
-    "broadcast_type": ("TypeError", "str and None; rank 1 passed"),
-    "split_indivisible": ("IndivisibleSequenceError", "split_inputs_cp: sequence length 7 (seq_dim=-1) is not divisible by the cp size 2"),
-    "broadcast_split_indivisible": ("IndivisibleSequenceError", "broadcast_split_tensor: sequence length 9 (seq_dim=0) is not divisible by the cp size 2"),
-    "bad_dim": ("IndexError", "seq_dim=2 is out of range for a tensor with 2 dims"),
+MISUSE = {
+    "cat_shape": (ShapeMismatchError, r"gather_sequence: local lengths along dim 1 \(rank 0: 3, rank 1: 4\) are not torch.chunk shards of a sequence of 7 over 2 ranks, which are \[4, 3\]"),
+    "cat_dtype": (ShapeMismatchError, r"ranks disagree on dtype and the dims other than seq_dim \(rank 0: torch.float16 \(2, '\*'\); rank 1: torch.float32 \(2, '\*'\)\)"),
+    "seq_len_mismatch": (DisagreementError, r"gather_sequence: ranks disagree on seq_len \(rank 0: 7; rank 1: 8\)"),
+    "seq_len_wrong": (ShapeMismatchError, r"local lengths along dim 1 \(rank 0: 3, rank 1: 3\) are not torch.chunk shards of a sequence of 5 over 2 ranks, which are \[3, 2\]"),
+    "seq_dim_out_of_range_on_one_rank": (IndexError, r"gather_sequence: rank 1: seq_dim=5 is out of range for a tensor with 2 dims \(raised on every rank of the group \[0, 1\]\)"),
+    "seq_dim_differs": (DisagreementError, r"gather_sequence: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)"),
+    "seq_dim_float": (TypeError, r"gather_sequence: seq_dim must be an int, got float 1.0"),
+    "dtensor_and_plain": (DisagreementError, r"ranks disagree on DTensor-or-plain input \(rank 0: plain tensor; rank 1: DTensor\)"),
+    "split_seq_dim_differs": (DisagreementError, r"broadcast_shard: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)"),
+    "cat_seq_dim_differs": (DisagreementError, r"gather_sequence: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)"),
+    "split_indivisible": (IndivisibleSequenceError, r"split_inputs_cp: sequence length 7 \(seq_dim=-1\) is not divisible by the cp size 2"),
+    "broadcast_split_indivisible": (IndivisibleSequenceError, r"broadcast_split_tensor: sequence length 9 \(seq_dim=0\) is not divisible by the cp size 2"),
+    "bad_dim": (IndexError, r"seq_dim=2 is out of range for a tensor with 2 dims"),
 }
 
 
-@pytest.mark.parametrize("case", list(MISMATCHES))
-def test_errors_raise_on_every_rank(case):
-    kind, message = MISMATCHES[case]
-    results = run_distributed(2, mismatches, case)
-    for result in results:  # every rank raised: nobody was left hanging in a collective
-        assert result is not None and result[0] == kind and message in result[1], result
-    if kind in ("ShapeMismatchError", "IndivisibleSequenceError"):
-        assert all(r[2] and r[3] for r in results)  # ValueError and RuntimeError/AssertionError at once
-    if case == "broadcast_type":
-        assert "rank 1 passed dict" in results[1][1]
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_raises_the_same_error_on_every_rank(case):
+    error, match = MISUSE[case]
+    messages = raised_everywhere(run_distributed(2, misuse, case, return_exceptions=True), error, match)
+    if case != "bad_dim":  # split_inputs_cp has no collective: each rank raises its own message
+        assert messages[0] == messages[1]
+
+
+def dtensor_on_another_mesh():
+    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=2, cp=2))
+    tp_sharded = wf_mesh.shard_sequence(sample((2, 8)), 1, mesh=mesh["tp"], as_dtensor=True)
+    outcomes = {}
+    for name, call in {
+        "gather": lambda: wf_mesh.gather_sequence(tp_sharded, mesh=mesh),
+        "shard": lambda: wf_mesh.shard_sequence(tp_sharded, 1, mesh=mesh),
+    }.items():
+        try:
+            call()
+        except ValueError as e:
+            outcomes[name] = str(e)
+    stale = wf_mesh.shard_sequence(sample((2, 8)), 1, as_dtensor=True)
+    wf_mesh.destroy_model_parallel()
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=2, cp=2))
+    try:
+        wf_mesh.gather_sequence(stale)
+    except StateError as e:
+        outcomes["destroyed"] = str(e)
+    return outcomes
+
+
+def test_dtensor_on_another_mesh_or_a_destroyed_one_is_refused():
+    for out in run_distributed(4, dtensor_on_another_mesh):
+        assert "the DTensor lives on DeviceMesh((tp=2)" in out["gather"] and "not on the cp mesh" in out["gather"]
+        assert "redistribute it onto the cp mesh first" in out["shard"]
+        assert "belongs to a destroyed mesh (destroy_model_parallel / ParallelMesh.destroy)" in out["destroyed"]
+
+
+def agreement_collectives():
+    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    x = sample((2, 6))
+    dt = wf_mesh.shard_sequence(x, 1, as_dtensor=True)
+    with CommDebugMode() as checked:
+        wf_mesh.gather_sequence(dt)
+    mesh.destroy()
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2), checks=False)
+    dt = wf_mesh.shard_sequence(x, 1, as_dtensor=True)
+    with CommDebugMode() as unchecked:
+        full = wf_mesh.gather_sequence(dt)
+    return checked.get_total_counts(), unchecked.get_total_counts(), torch.equal(full, x)
+
+
+def test_agreement_is_one_small_exchange_and_checks_can_be_turned_off():
+    assert run_distributed(2, agreement_collectives) == [(2, 1, True)] * 2
 
 
 # ---- find_split ---------------------------------------------------------------------------------------

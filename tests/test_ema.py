@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import wf_mesh
-from wf_mesh.ema import DTensorFastEmaModelUpdater, ShardedEMA, get_local_tensor_if_dtensor
+from wf_mesh import DTensorFastEmaModelUpdater, ShardedEMA, get_local_tensor_if_dtensor
 from wf_mesh.testing import run_distributed
 
 BETA = 0.9
@@ -210,25 +210,34 @@ def test_swap_and_cache_copy_to_restore_round_trips():
         assert out["restore_uncached"].startswith("EMA cache is not taken: call cache(parameters) before restore")
 
 
-# ---- FSDP2 safety ------------------------------------------------------------------------------------------
-def unsharded_errors():
+# ---- FSDP2 modules in whatever state a forward left them --------------------------------------------------
+def after_forward():
     mesh, _, _ = build_mesh("fsdp")
     model = shard(make_net(), mesh)
-    ema = ShardedEMA(model)
+    ema = ShardedEMA(model, beta=0.5)
+    training = locals_of(model)
     out = {}
-    model(torch.randn(2, 7))  # the root (it owns "scale") keeps its parameters unsharded until backward
-    for what, call in [
-        ("update", lambda: ema.update(model)),
-        ("create", lambda: ShardedEMA(model)),
-        ("swap", lambda: ema.swapped_into(model).__enter__()),
-        ("legacy", lambda: DTensorFastEmaModelUpdater().update_average(model, model)),
-    ]:
-        try:
-            call()
-        except RuntimeError as e:
-            out[what] = str(e)
-    model.reshard()
-    ema.update(model)  # fine again
+    x = torch.randn(2, 7, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.eval()
+        before = model(x)  # eval forward: the root (it owns "scale") keeps its parameters unsharded
+    with ema.swapped_into(model):  # no manual reshard needed
+        out["inside_is_ema"] = all(torch.equal(v, ema.state_dict()[n].to_local()) for n, v in locals_of(model).items())
+        with torch.no_grad():
+            model(x)  # a forward inside leaves the EMA weights unsharded again
+    out["restored_exactly"] = all(torch.equal(locals_of(model)[n], v) for n, v in training.items())
+    with torch.no_grad():
+        out["forward_after_swap_equal"] = torch.equal(model(x), before)
+    model.train()
+    model(x).sum()  # training forward, no backward yet: unsharded root again
+    ema.update(model)  # resharded first, then the EMA reads shards
+    out["ema_still_equals_weights"] = all(
+        torch.equal(ema.state_dict()[n].to_local(), v) for n, v in training.items()
+    )
+    legacy = DTensorFastEmaModelUpdater()
+    target = shard(make_net(seed=1), mesh)
+    legacy.update_average(model, target, beta=0.0)  # unsharded source: resharded too
+    out["legacy_copied"] = all(torch.equal(locals_of(target)[n], v) for n, v in training.items())
     plain = make_net()  # same parameters, not sharded: the shard shapes differ
     try:
         DTensorFastEmaModelUpdater().copy_to(plain, model)
@@ -237,18 +246,43 @@ def unsharded_errors():
     return out
 
 
-def test_unsharded_fsdp_and_mismatched_models_give_clear_errors():
-    out = run_distributed(2, unsharded_errors)[1]
-    hint = "FSDP2 modules whose parameters are not resharded: ['<root>']. FSDP2 keeps parameters unsharded"
-    assert out["update"].startswith(f"ShardedEMA.update: the model has {hint}")
-    assert out["create"].startswith(f"ShardedEMA: the model has {hint}")
-    assert out["swap"].startswith(f"ShardedEMA.swapped_into: the model has {hint}")
-    assert out["legacy"].startswith(f"update_average: the source model has {hint}")
-    assert "call .reshard() on those modules" in out["update"]
-    assert out["shape"] == (
-        "copy_to: the local shard of source parameter 'scale' has shape (7,) but target parameter 'scale' has "
-        "(3,); both must hold the same parameters, sharded the same way (same fully_shard calls, same mesh)"
-    )
+def test_ema_swaps_and_updates_whatever_state_a_forward_left():
+    for rank, out in enumerate(run_distributed(2, after_forward)):
+        assert out["inside_is_ema"] and out["restored_exactly"] and out["forward_after_swap_equal"]
+        assert out["ema_still_equals_weights"] and out["legacy_copied"]
+        assert out["shape"] == (  # 'scale' has 7 elements: shards of 4 and 3
+            f"copy_to: the local shard of source parameter 'scale' has shape (7,) but target parameter 'scale' has "
+            f"({4 - rank},); both must hold the same parameters, sharded the same way (same fully_shard calls, same mesh)"
+        )
+
+
+def test_ema_matches_parameters_by_name_and_follows_dtype_changes():
+    model = nn.Sequential(nn.Linear(3, 2))
+    ema = ShardedEMA(model, beta=0.5)
+    renamed = nn.Sequential()
+    renamed.add_module("proj", nn.Linear(3, 2))  # same count and shapes, other names
+    with pytest.raises(ValueError, match="the model has parameter 'proj.weight' where the EMA has '0.weight'"):
+        ema.update(renamed)
+    model.half()  # same Parameter objects, new dtype: the EMA plans again and stays float32
+    ema.update(model)
+    assert all(v.dtype == torch.float32 for v in ema.state_dict().values())
+    with pytest.raises(TypeError, match="EMA beta must be a float in \\[0, 1\\], got str '0.9'"):
+        ShardedEMA(model, beta="0.9")
+    with pytest.raises(TypeError, match="ShardedEMA.load_state_dict: '0.bias' is a list, not a tensor or DTensor"):
+        ema.load_state_dict({"0.weight": torch.zeros(2, 3), "0.bias": [0.0, 0.0]})
+
+
+def test_ema_and_the_legacy_updater_do_not_keep_models_alive():
+    import gc
+    import weakref
+
+    model, target = nn.Linear(3, 2), nn.Linear(3, 2)
+    ema, legacy = ShardedEMA(model), DTensorFastEmaModelUpdater()
+    legacy.update_average(model, target)
+    refs = [weakref.ref(model), weakref.ref(target)]
+    del model, target
+    gc.collect()
+    assert [r() for r in refs] == [None, None] and len(ema) == 2 and not legacy._pairs
 
 
 # ---- torch.distributed.checkpoint ------------------------------------------------------------------------

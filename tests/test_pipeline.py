@@ -4,21 +4,17 @@ Every distributed result is compared with a single-process reference computed he
 """
 
 import gc
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh.pipeline import (
-    PipelineP2P,
-    PipelineStateError,
-    PPScheduler,
-    build_pipeline_stage,
-    init_pp_scheduler,
-    pp_scheduler,
-    pp_scheduler_or_none,
-)
+from helpers import raised_everywhere
+from wf_mesh.errors import DisagreementError, PipelineStateError
+from wf_mesh.legacy.pipeline import PPScheduler, init_pp_scheduler, pp_scheduler, pp_scheduler_or_none
+from wf_mesh.pipeline import PipelineP2P, build_pipeline_stage
 from wf_mesh.testing import run_distributed
 
 # layout id -> (tp, cp, pp, dp); world = product
@@ -230,7 +226,7 @@ def test_native_in_flight_and_both_directions(layout, checked):
 # ---- checked mode -------------------------------------------------------------------------------------
 def checked_mismatch(send_spec, expect_spec, catch):
     wf_mesh.init_parallel(wf_mesh.ParallelDims(pp=2))
-    link = PipelineP2P(checked=True)
+    link = PipelineP2P()  # checked by default
     if link.stage == 0:
         link.send(torch.ones(send_spec[0], dtype=send_spec[1]))
         if catch:
@@ -254,6 +250,9 @@ def checked_mismatch(send_spec, expect_spec, catch):
                                                             r"received shape \(2, 4\) dtype torch.float32")),
         (((4,), torch.bfloat16), ((4,), torch.float32), (r"expected shape \(4,\) dtype torch.float32, "
                                                          r"received shape \(4,\) dtype torch.bfloat16")),
+        # smaller: unchecked, the rest of the receive buffer would keep stale or uninitialised data
+        (((2, 2), torch.float32), ((2, 3), torch.float32), (r"expected shape \(2, 3\) dtype torch.float32, "
+                                                            r"received shape \(2, 2\) dtype torch.float32")),
     ],
 )  # fmt: skip
 def test_checked_mismatch_raises_on_receiver(send_spec, expect_spec, expected):
@@ -298,6 +297,26 @@ def test_checked_exchange_mismatch_keeps_link_in_step():
     mismatch = "expected shape (3,) dtype torch.float32, received shape (4,) dtype torch.float32"
     assert legacy0.startswith(f"checked receive on pp stage 0 from pp stage 1 (global rank 1): {mismatch}")
     assert legacy1.startswith(f"checked receive on pp stage 1 from pp stage 0 (global rank 0): {mismatch}")
+
+
+def modes(case):
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(pp=2))
+    if case == "mixed":  # a checked sender and an unchecked receiver would misread headers as data
+        return PipelineP2P(checked=dist.get_rank() == 0)
+    os.environ["WF_MESH_PP_CHECKED"] = "1"  # the legacy scheduler's global switch
+    try:
+        return PPScheduler().checked, PPScheduler(checked=False).checked, PipelineP2P().checked
+    finally:
+        del os.environ["WF_MESH_PP_CHECKED"]
+
+
+def test_both_ends_of_a_link_use_the_same_mode():
+    raised_everywhere(
+        run_distributed(2, modes, "mixed", return_exceptions=True),
+        DisagreementError,
+        r"^PipelineP2P: ranks disagree on checked \(rank 0: True; rank 1: False\); every stage must use the same mode$",
+    )
+    assert run_distributed(2, modes, "switch") == [(True, False, True)] * 2
 
 
 # ---- lifecycle and errors -----------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import wf_mesh
-from wf_mesh.ema import get_local_tensor_if_dtensor
+from helpers import raised_everywhere
+from wf_mesh import get_local_tensor_if_dtensor
+from wf_mesh.errors import DisagreementError
 from wf_mesh.mesh import hsdp_rank_grid
 from wf_mesh.state_sync import broadcast_dtensor_model_states, plan_buckets
 from wf_mesh.testing import run_distributed
@@ -235,50 +237,63 @@ def broadcast_edge_cases():
     out["weights"] = [p.detach().clone() for p in model.parameters()]
     torch.manual_seed(0)
     out["reference"] = [p.detach().clone() for p in nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).parameters()]
-    for what, call in [
-        ("no_axis", lambda: broadcast_dtensor_model_states(model, named)),
-        ("bucket", lambda: broadcast_dtensor_model_states(model, named, replicate_axis="dp_rep", bucket_bytes=0)),
-        ("differ", lambda: broadcast_dtensor_model_states(nn.Linear(3, 2 + rank), named, replicate_axis="dp_rep")),
-    ]:
-        try:
-            call()
-        except ValueError as e:
-            out[what] = str(e)
     fsdp_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     net = make_net(rank)
     fully_shard(net.blocks[0], mesh=fsdp_mesh)
     fully_shard(net, mesh=fsdp_mesh)  # the root owns blocks.1 and head: unsharded after forward
     net(torch.randn(2, 6))
-    try:
-        broadcast_dtensor_model_states(net, fsdp_mesh)
-    except RuntimeError as e:
-        out["unsharded"] = str(e)
-    net.reshard()
-    out["after_reshard"] = broadcast_dtensor_model_states(net, fsdp_mesh)
+    out["after_forward"] = broadcast_dtensor_model_states(net, fsdp_mesh)  # resharded first, then broadcast
+    out["net"] = {n: get_local_tensor_if_dtensor(p).detach().clone() for n, p in net.named_parameters()}
     return out
 
 
-def test_broadcast_edge_cases_and_errors():
+def test_broadcast_edge_cases():
     results = run_distributed(2, broadcast_edge_cases)
     for out in results:
         assert out["size1"] == 0 and out["size1_unchanged"]
         assert out["keyword_axis"] == 4  # 8-byte buckets: (6) (2) (4) (2) floats -> 24/8/16/8 bytes, one each
         assert all(torch.equal(w, r) for w, r in zip(out["weights"], out["reference"]))  # rank 0's seed won
-        assert out["no_axis"].startswith(
-            "broadcast_dtensor_model_states: the mesh has no axis 'replicate' (axes: ['dp_rep']); pass "
-            "replicate_axis=<the name of the replica axis>"
-        )
-        assert out["bucket"] == "bucket_bytes=0 must be >= 1"
-        assert out["differ"].startswith(  # on EVERY rank, instead of a hang
-            "broadcast_dtensor_model_states: the replicas differ (global rank -> (tensors, elements, layout hash)): "
-            "{0: (2, 8, "
-        ), out["differ"]
-        assert ", 1: (2, 12, " in out["differ"]
-        assert out["unsharded"].startswith(
-            "broadcast_dtensor_model_states: the model has FSDP2 modules whose parameters are not resharded: "
-            "['<root>']. FSDP2 keeps parameters unsharded after forward until backward"
-        )
-        assert out["after_reshard"] == 3
+        assert out["after_forward"] == 3
+        assert all(torch.equal(v, results[0]["net"][n]) for n, v in out["net"].items())
+
+
+def broadcast_misuse(case):
+    rank = dist.get_rank()
+    named = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_rep",))
+    if case == "no_axis":
+        return broadcast_dtensor_model_states(nn.Linear(3, 2), named)
+    if case == "bucket_zero":
+        return broadcast_dtensor_model_states(nn.Linear(3, 2), named, replicate_axis="dp_rep", bucket_bytes=0)
+    if case == "bucket_differs":
+        return broadcast_dtensor_model_states(nn.Linear(3, 2), named, replicate_axis="dp_rep", bucket_bytes=8 + rank)
+    if case == "layout_differs":
+        return broadcast_dtensor_model_states(nn.Linear(3, 2 + rank), named, replicate_axis="dp_rep")
+    # the README's old mistake: shard over the 1-D FSDP axis (dp x cp), then broadcast over the HSDP view's
+    # replicate axis, whose ranks hold DIFFERENT shards of every parameter
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2), dp_replicate=2)
+    model = make_net(rank)
+    fully_shard(model, mesh=pm.fsdp_mesh() if case == "fsdp_then_hsdp" else pm.hsdp_mesh())
+    if case == "fsdp_then_hsdp":
+        return broadcast_dtensor_model_states(model, pm.hsdp_mesh())
+    if case == "hsdp_over_shard_axis":  # the neighbour: the right model, the wrong axis named as replicate
+        return broadcast_dtensor_model_states(model, pm.hsdp_mesh(), replicate_axis="shard")
+
+
+MISUSE = {
+    "no_axis": (ValueError, r"^broadcast_dtensor_model_states: the mesh has no axis 'replicate' \(axes: \['dp_rep'\]\)"),
+    "bucket_zero": (ValueError, r"^broadcast_dtensor_model_states: bucket_bytes=0 must be >= 1$"),
+    "bucket_differs": (DisagreementError, r"ranks disagree on bucket_bytes \(rank 0: 8; rank 1: 9\)"),
+    "layout_differs": (DisagreementError, r"ranks disagree on the model layout \(tensors, elements, crc of names/dtypes/shapes\) \(rank 0: \(2, 8, '[0-9a-f]+'\); rank 1: \(2, 12, "),
+    "fsdp_then_hsdp": (ValueError, r"parameter or buffer 'scale' is a DTensor with placements \(Shard\(dim=0\),\) on DeviceMesh\(\(dp_cp=4\).*replicate group ranks \[2\] of \[0, 2\]|replicate group ranks \[0\] of \[0, 2\]|ranks \[3\] of \[1, 3\]|ranks \[1\] of \[1, 3\]"),
+    "hsdp_over_shard_axis": (ValueError, r"placements \(Replicate\(\), Shard\(dim=0\)\) on DeviceMesh\(\(replicate=2, shard=2\).*hold other data for it"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_broadcast_misuse_raises_on_every_rank_before_data_moves(case):
+    error, match = MISUSE[case]
+    world = 2 if case in ("no_axis", "bucket_zero", "bucket_differs", "layout_differs") else 4
+    raised_everywhere(run_distributed(world, broadcast_misuse, case, return_exceptions=True), error, match)
 
 
 def test_plan_buckets_pure():
@@ -291,6 +306,6 @@ def test_plan_buckets_pure():
         plan_buckets(t, 0)
 
 
-def test_broadcast_errors_before_any_collective():
-    with pytest.raises(ValueError, match=r"bucket_bytes=-1 must be >= 1"):
-        broadcast_dtensor_model_states(nn.Linear(2, 2), None, bucket_bytes=-1)
+def test_broadcast_takes_a_mesh():
+    with pytest.raises(TypeError, match=r"broadcast_dtensor_model_states: mesh must be a DeviceMesh or a ParallelMesh, got NoneType"):
+        broadcast_dtensor_model_states(nn.Linear(2, 2), None)

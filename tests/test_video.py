@@ -1,5 +1,7 @@
 """Video latent CP plans: find_split-based blocks, sequence shards, position embeddings, restore."""
 
+import re
+
 import pytest
 import torch
 
@@ -12,15 +14,36 @@ def latent(shape, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_plan_follows_find_split():
+def test_plan_follows_find_split_without_global_state():
     split = wf_mesh.plan_video_split((1, 16, 24, 88, 160), 16)
     assert (split.cp_t, split.cp_h, split.local_thw) == (8, 2, (3, 44, 160))
-    assert ps.cp_size_t == 8
+    assert not hasattr(ps, "cp_size_t")  # the native planner has no side effect; the legacy find_split sets it
+    assert wf_mesh.find_split((1, 16, 24, 88, 160), 16) == torch.Size(split.local_thw) and ps.cp_size_t == 8
     split = wf_mesh.plan_video_split((2, 4, 5, 8, 6), 4)  # T=5 cannot take a factor of 4: height gets it all
     assert (split.cp_t, split.cp_h, split.local_thw) == (1, 4, (5, 2, 6))
     ps.destroy_model_parallel()
+    assert not hasattr(ps, "cp_size_t")
     with pytest.raises(ValueError, match="a factor 2 is left for W"):
         wf_mesh.plan_video_split((1, 16, 21, 88, 160), 8)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [  # silently wrong before: H=5 over 2 ranks dropped a row, zero-length dims gave zero shapes
+        (lambda: wf_mesh.plan_video_split((1, 2, 1, 5, 4), 2), ValueError,
+         "H=5 over 2 ranks would not give equal blocks of whole 2-wide patches (each block 2, 1 left over); make H "
+         "a multiple of 4"),
+        (lambda: wf_mesh.find_split((1, 2, 1, 5, 4), 2), ValueError, "H=5 over 2 ranks would not give equal blocks"),
+        (lambda: wf_mesh.plan_video_split((1, 2, 0, 4, 4), 2), ValueError, "shape[2] (T)=0 must be >= 1"),
+        (lambda: wf_mesh.find_split((1, 16, 24, 88, 160), 2.5), TypeError, "cp_size must be an int, got float 2.5"),
+        (lambda: wf_mesh.find_split((1, 16, 24, 88, 160), 2, patch_values=(0, 2, 2)), ValueError,
+         "patch_values[0]=0 must be >= 1"),
+        (lambda: wf_mesh.plan_video_split((1, 16, 24.0, 88, 160), 2), TypeError, "shape[2] (T) must be an int"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_what_it_cannot_split_exactly(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
 
 
 def test_sequence_views_round_trip_single_process():

@@ -16,7 +16,7 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
   registered by a module under ``torch.testing._internal``.
 - ``process_group_counts``: groups held and ``new_group`` calls made, read from ``distributed_c10d._world``
   (benchmarks/topology.py counts group creation with it).
-- ``dtensor_local`` / ``wait_if_async`` / ``fsdp_unsharded_modules`` (shard-local EMA and state broadcast):
+- ``dtensor_local`` / ``wait_if_async`` / ``reshard_fsdp_modules`` (shard-local EMA and state broadcast):
   ``DTensor._local_tensor`` is the shard object itself (``to_local()`` on an ``nn.Parameter`` DTensor returns a
   fresh view per call, useless for cheap identity checks); ``AsyncCollectiveTensor`` lives in a private
   module; FSDP2 exposes no public "is this module resharded?" query.
@@ -43,8 +43,9 @@ __all__ = [
     "destroy_subgroups",
     "dtensor_local",
     "flatten",
-    "fsdp_unsharded_modules",
+    "reshard_fsdp_modules",
     "mesh_group_names",
+    "mesh_is_live",
     "process_group_counts",
     "register_fake_backend",
     "release_meshes",
@@ -97,6 +98,17 @@ def backend_options(
 def mesh_group_names(mesh: DeviceMesh) -> list[str]:
     """Names of the process groups a mesh owns, one per mesh dim (empty if this rank is outside it)."""
     return list(getattr(mesh, "_dim_group_names", []))
+
+
+def mesh_is_live(mesh: DeviceMesh) -> bool:
+    """False once the process groups of ``mesh`` were destroyed (torch would fail with "Could not resolve the
+    process group registered under the name ...")."""
+    try:
+        for name in mesh_group_names(mesh):
+            dist.distributed_c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
 
 
 def release_meshes(root: DeviceMesh, derived: Iterable[DeviceMesh], destroy_groups: bool = True) -> None:
@@ -160,17 +172,17 @@ def wait_if_async(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
-def fsdp_unsharded_modules(model: torch.nn.Module) -> list[str]:
-    """Names of the FSDP2 modules in ``model`` whose parameters are not in the sharded state (FSDP2 keeps
-    them unsharded after forward until backward when ``reshard_after_forward`` is False, as for the root)."""
+def reshard_fsdp_modules(model: torch.nn.Module) -> None:
+    """Reshard every FSDP2 module of ``model`` whose parameters are not in the sharded state (FSDP2 keeps
+    them unsharded after forward until backward when ``reshard_after_forward`` is False, as for the root);
+    the next forward or backward gathers them again."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [
-        name or "<root>"
-        for name, module in model.named_modules()
-        if isinstance(module, FSDPModule)
-        and not all(group.is_sharded for group in module._get_fsdp_state()._fsdp_param_groups)
-    ]
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and not all(
+            group.is_sharded for group in module._get_fsdp_state()._fsdp_param_groups
+        ):
+            module.reshard()
 
 
 def clear_dtensor_caches() -> None:

@@ -35,7 +35,17 @@ import torch.distributed as dist
 
 from wf_mesh import errors
 
-__all__ = ["DTYPES", "Agreed", "agree", "checks_enabled", "comm_device", "dtype_code", "float_bits"]
+__all__ = [
+    "DTYPES",
+    "Agreed",
+    "agree",
+    "checks_enabled",
+    "comm_device",
+    "dtype_code",
+    "float_bits",
+    "header_row",
+    "read_header",
+]
 
 ROW = 48
 """int64 slots each rank contributes per exchange: ``[call, status, error bytes, number of facts, *facts]``."""
@@ -112,6 +122,25 @@ def float_bits(value: float) -> int:
 
 def _call_code(what: str) -> int:
     return zlib.crc32(what.encode()) & 0x7FFFFFFF
+
+
+def header_row(what: str, facts: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One rank's row as an int64 tensor of ``ROW`` (the wire format of every header wf_mesh sends, also
+    point to point: the pipeline's checked mode sends one before each payload)."""
+    facts = [int(f) for f in facts]
+    if len(facts) > MAX_FACTS:
+        raise ValueError(f"{what}: too many facts for a header ({len(facts)} > {MAX_FACTS})")
+    row = torch.zeros(ROW, dtype=torch.int64)
+    row[: 4 + len(facts)] = torch.tensor([_call_code(what), _OK, 0, len(facts), *facts], dtype=torch.int64)
+    return row.to(device)
+
+
+def read_header(row: torch.Tensor, what: str) -> tuple[int, ...] | None:
+    """The facts of a :func:`header_row` sent by ``what``; None if the row is not such a header."""
+    values = row.tolist()
+    if values[0] != _call_code(what) or values[1] != _OK or not 0 <= values[3] <= MAX_FACTS:
+        return None
+    return tuple(values[4 : 4 + values[3]])
 
 
 def _type_code(exc: BaseException) -> int:

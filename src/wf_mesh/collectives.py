@@ -1,153 +1,305 @@
-"""Small, safe collectives: agree on tensor metadata across a group, and broadcast a tensor or str.
+"""Broadcast a tensor or a small Python value from a group's first rank, without pickle by default.
 
-Every rank first all-gathers a tiny int64 header (kind, dtype, shape). All ranks then see the same
-facts and either all go on or all raise the same exception: a rank whose tensor disagrees never leaves
-its peers hanging in the data collective, and gloo never sees mismatched sizes (which can abort it).
-No pickle anywhere: strings travel as UTF-8 bytes.
+What travels pickle-free (typed, exact, type kept on receivers): None, bool, int (any size), float,
+complex, str (any code points), bytes, Enum members (the class is resolved on receivers by module and
+qualified name and must be an Enum subclass: a str-Enum member arrives as that member), tuples, lists and
+dicts of these, and tensors of any dtype (also inside containers). Anything else is pickled with
+``broadcast_object_list`` after a one-time warning naming the type, unless pickle is turned off
+(``allow_pickle=False``, or ``WF_MESH_ALLOW_PICKLE=0`` in the environment): then every rank raises a
+TypeError naming the type. Receiving ranks must agree to unpickle: one of them turning pickle off is enough
+to refuse.
+
+Protocol: one agreement exchange (:mod:`wf_mesh.agreement`) carries the kind, sizes and, for a tensor, its
+dtype and shape; then the encoded value (one uint8 broadcast) and the tensors' bytes (one more). A problem
+on the source (an unsupported object with pickle off, a DTensor) or a receiver whose tensor does not match
+raises on every rank before any data moves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import importlib
+import os
+import pickle
+import struct
+import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["DTYPES", "DTYPE_CODES", "ShapeMismatchError", "TensorHeader", "broadcast", "exchange_headers", "group_device"]
+from wf_mesh import agreement
+from wf_mesh.errors import ShapeMismatchError
 
-MAX_NDIM = 8
-# Fixed dtype codes (no pickle) for every header wf_mesh exchanges (collectives, pipeline): index into this tuple.
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-)  # fmt: skip
-DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(DTYPES)}
-KIND_NONE, KIND_TENSOR, KIND_STR, KIND_UNSUPPORTED = 0, 1, 2, 3
-_KIND_NAMES = {KIND_NONE: "None", KIND_TENSOR: "Tensor", KIND_STR: "str"}
+__all__ = ["broadcast"]
+
+_NONE, _TENSOR, _VALUE, _PICKLE = 0, 1, 2, 3
+_warned: set[str] = set()
 
 
-class ShapeMismatchError(RuntimeError, ValueError):
-    """Ranks disagree about a tensor's shape or dtype. Raised on every rank, before any data moves.
-
-    Both RuntimeError (what legacy callers catch around a failed gather) and ValueError (what it is).
-    """
+def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s data as a flat uint8 tensor (a view when it is contiguous): any dtype travels as bytes."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-class TensorHeader(tuple):
-    """``(kind, dtype_code, ndim, *shape)`` as exchanged between ranks; see :func:`exchange_headers`."""
-
-    @classmethod
-    def of(cls, item: object) -> TensorHeader:
-        if item is None:
-            return cls((KIND_NONE, -1, 0))
-        if isinstance(item, str):
-            return cls((KIND_STR, DTYPE_CODES[torch.uint8], 1, len(item.encode("utf-8"))))
-        if isinstance(item, torch.Tensor):
-            if item.dtype not in DTYPES or item.ndim > MAX_NDIM:
-                return cls((KIND_UNSUPPORTED, -1, 0))
-            return cls((KIND_TENSOR, DTYPE_CODES[item.dtype], item.ndim, *item.shape))
-        return cls((KIND_UNSUPPORTED, -1, 0))
-
-    @property
-    def kind(self) -> int:
-        return self[0]
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        return DTYPES[self[1]] if self[1] >= 0 else None
-
-    @property
-    def ndim(self) -> int:
-        return self[2]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self[3 : 3 + self.ndim])
-
-    def describe(self) -> str:
-        if self.kind == KIND_TENSOR:
-            return f"Tensor{tuple(self.shape)} {self.dtype}"
-        return _KIND_NAMES.get(self.kind, "unsupported")
+def tensor_from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`bytes_of`: a view of the flat uint8 ``data`` as ``dtype`` of ``shape``."""
+    return data.view(dtype).reshape(shape)
 
 
-def group_device(group: dist.ProcessGroup) -> torch.device:
-    """Device a collective on ``group`` runs on: the current CUDA device for NCCL, else CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+# ---- typed encoding -----------------------------------------------------------------------------------
+class _Unsupported(TypeError):
+    """A value the typed encoding does not cover (it may still be pickled)."""
 
 
-def exchange_headers(item: object, group: dist.ProcessGroup) -> list[TensorHeader]:
-    """All-gather every rank's :class:`TensorHeader` of ``item`` over ``group`` (in group-rank order)."""
-    header = list(TensorHeader.of(item))
-    padded = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
-    padded[: len(header)] = torch.tensor(header, dtype=torch.int64)
-    size = dist.get_world_size(group)
-    out = torch.empty(size * padded.numel(), dtype=torch.int64, device=group_device(group))
-    dist.all_gather_single(out, padded.to(out.device), group=group)
-    rows = out.view(size, -1).tolist()
-    return [TensorHeader(row[: 3 + max(row[2], 0)]) for row in rows]
+def _encode(value: Any, out: bytearray, tensors: list[torch.Tensor]) -> None:
+    kind = type(value)
+    if value is None:
+        out += b"N"
+    elif kind is bool:
+        out += b"T" if value else b"F"
+    elif isinstance(value, enum.Enum):
+        cls = type(value)
+        out += b"E"
+        _encode_str(f"{cls.__module__}:{cls.__qualname__}", out)
+        _encode_str(value.name, out)
+    elif kind is int:
+        raw = value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+        out += b"I" + struct.pack("<I", len(raw)) + raw
+    elif kind is float:
+        out += b"D" + struct.pack("<d", value)
+    elif kind is complex:
+        out += b"C" + struct.pack("<dd", value.real, value.imag)
+    elif kind is str:
+        out += b"S"
+        _encode_str(value, out)
+    elif kind is bytes:
+        out += b"B" + struct.pack("<I", len(value)) + value
+    elif kind in (tuple, list):
+        out += (b"U" if kind is tuple else b"L") + struct.pack("<I", len(value))
+        for item in value:
+            _encode(item, out, tensors)
+    elif kind is dict:
+        out += b"M" + struct.pack("<I", len(value))
+        for key, item in value.items():
+            _encode(key, out, tensors)
+            _encode(item, out, tensors)
+    elif kind is torch.Tensor or kind is torch.nn.Parameter:
+        out += b"X" + struct.pack("<iI", agreement.dtype_code(value.dtype), value.ndim)
+        out += struct.pack(f"<{value.ndim}q", *value.shape)
+        tensors.append(value)
+    else:
+        raise _Unsupported(type(value).__qualname__)
 
 
-def _describe_all(headers: Sequence[TensorHeader], ranks: Sequence[int]) -> str:
-    return ", ".join(f"rank {r}: {h.describe()}" for r, h in zip(ranks, headers))
+def _encode_str(text: str, out: bytearray) -> None:
+    raw = text.encode("utf-8", "surrogatepass")  # lone surrogates too: receivers get exactly the same str
+    out += struct.pack("<I", len(raw)) + raw
 
 
-def _utf8(text: str) -> torch.Tensor:
-    data = bytearray(text.encode("utf-8"))
-    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+class _Decoder:
+    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+        self.data, self.pos, self.tensors = data, 0, iter(tensors)
+
+    def take(self, n: int) -> bytes:
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+
+    def text(self) -> str:
+        return self.take(self.unpack("<I")[0]).decode("utf-8", "surrogatepass")
+
+    def value(self) -> Any:
+        tag = self.take(1)
+        if tag == b"N":
+            return None
+        if tag in (b"T", b"F"):
+            return tag == b"T"
+        if tag == b"E":
+            return _enum_member(self.text(), self.text())
+        if tag == b"I":
+            return int.from_bytes(self.take(self.unpack("<I")[0]), "little", signed=True)
+        if tag == b"D":
+            return self.unpack("<d")[0]
+        if tag == b"C":
+            return complex(*self.unpack("<dd"))
+        if tag == b"S":
+            return self.text()
+        if tag == b"B":
+            return self.take(self.unpack("<I")[0])
+        if tag in (b"U", b"L"):
+            items = [self.value() for _ in range(self.unpack("<I")[0])]
+            return tuple(items) if tag == b"U" else items
+        if tag == b"M":
+            return {self.value(): self.value() for _ in range(self.unpack("<I")[0])}
+        if tag == b"X":
+            _, ndim = self.unpack("<iI")  # dtype and shape were read by _tensor_specs
+            self.take(8 * ndim)
+            return next(self.tensors)
+        raise ValueError(f"broadcast: corrupt payload (tag {tag!r} at byte {self.pos - 1})")
 
 
-def broadcast(
-    item: torch.Tensor | str | None, process_group: dist.ProcessGroup | None = None
-) -> torch.Tensor | str | None:
-    """Broadcast a tensor or str from the SMALLEST global rank of ``process_group`` to all of its ranks.
+def _enum_member(path: str, name: str) -> enum.Enum:
+    module, _, qualname = path.partition(":")
+    cls: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+        raise TypeError(f"broadcast: {path} is not an Enum class, refusing to build a value of it")
+    return cls[name]
 
-    ``None`` group: returns ``item`` itself (parallelism off); a group of one rank likewise. If the source
-    passes None every rank gets None. Tensors: the source's shape and dtype travel first; a receiver may
-    pass a tensor of the same ndim and dtype (its values are ignored) or None, and gets a new tensor on
-    the group's device. The source gets its own object back. No pickle: a str travels as UTF-8 bytes.
 
-    Raises (on every rank, before any data moves): TypeError for anything but Tensor/str/None;
-    ShapeMismatchError when a receiver's tensor differs from the source's in ndim or dtype.
+def _tensor_specs(data: bytes) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """dtype and shape of every tensor in an encoded value, in order (to allocate receive buffers)."""
+    specs, decoder = [], _Decoder(data, [])
+    stack = [1]  # values still to read at each nesting level
+    while stack:
+        stack[-1] -= 1
+        tag = decoder.take(1)
+        if tag == b"X":
+            code, ndim = decoder.unpack("<iI")
+            specs.append((agreement.DTYPES[code], decoder.unpack(f"<{ndim}q")))
+        elif tag in (b"U", b"L", b"M"):
+            count = decoder.unpack("<I")[0]
+            stack.append(count * (2 if tag == b"M" else 1))
+        elif tag == b"E":
+            decoder.text()
+            decoder.text()
+        elif tag in (b"I", b"B"):
+            decoder.take(decoder.unpack("<I")[0])
+        elif tag == b"S":
+            decoder.text()
+        else:
+            decoder.take({b"N": 0, b"T": 0, b"F": 0, b"D": 8, b"C": 16}[tag])
+        while stack and stack[-1] == 0:
+            stack.pop()
+    return specs
+
+
+def _pickle_allowed(allow_pickle: bool | None) -> bool:
+    if allow_pickle is not None:
+        return bool(allow_pickle)
+    return os.environ.get("WF_MESH_ALLOW_PICKLE", "1") != "0"
+
+
+# ---- broadcast ----------------------------------------------------------------------------------------
+def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allow_pickle: bool | None = None) -> Any:
+    """Broadcast ``item`` from the SMALLEST global rank of ``process_group`` to all of its ranks.
+
+    ``None`` group: returns ``item`` itself (parallelism off); a group of one rank likewise. The source gets
+    its own object back; receivers get an equal value of the same type (module docstring), tensors on the
+    group's device (CPU on gloo). A receiver may pass anything; a receiver passing a tensor while the source
+    sends a tensor must match its ndim and dtype (ShapeMismatchError on every rank otherwise).
+
+    Raises (on every rank, before any data moves): TypeError for a DTensor, or for a value that needs pickle
+    while pickle is off on any rank; ShapeMismatchError as above.
     """
     if process_group is None or dist.get_world_size(process_group) == 1:
         return item
     ranks = dist.get_process_group_ranks(process_group)
-    headers = exchange_headers(item, process_group)
-    bad = [(r, h) for r, h in zip(ranks, headers) if h.kind == KIND_UNSUPPORTED]
-    if bad:
-        r = bad[0][0]
-        what = type(item).__name__ if dist.get_rank() == r else "an unsupported type or dtype"
-        raise TypeError(
-            f"broadcast supports torch.Tensor (up to {MAX_NDIM} dims, dtypes {[str(d) for d in DTYPES]}), "
-            f"str and None; rank {r} passed {what} (ranks with unsupported items: {[r for r, _ in bad]})"
-        )
-    src = headers[0]
-    if src.kind == KIND_NONE:
+    is_source = dist.get_rank() == ranks[0]
+    encoded, tensors = bytearray(), []
+    pickle_ok = _pickle_allowed(allow_pickle)
+
+    def facts() -> list[int]:
+        if isinstance(item, DTensor):
+            raise TypeError(
+                "broadcast does not take a DTensor (its shards differ per rank); broadcast dtensor.full_tensor() "
+                "or redistribute it instead"
+            )
+        if isinstance(item, torch.Tensor) and type(item) in (torch.Tensor, torch.nn.Parameter):
+            return [_TENSOR, agreement.dtype_code(item.dtype), item.ndim, int(pickle_ok), *item.shape]
+        if not is_source:
+            return [_NONE if item is None else _VALUE, -1, 0, int(pickle_ok)]
+        if item is None:
+            return [_NONE, -1, 0, 1]
+        try:
+            _encode(item, encoded, tensors)
+        except _Unsupported as exc:
+            if not pickle_ok:
+                raise TypeError(
+                    f"broadcast: {exc} values need pickle, which is off (allow_pickle=False or "
+                    f"WF_MESH_ALLOW_PICKLE=0); send a typed value (None, bool, int, float, complex, str, bytes, "
+                    f"Enum, tensor, or tuples/lists/dicts of these)"
+                ) from None
+            encoded[:] = str(exc).encode()
+            return [_PICKLE, len(encoded), 0, 1]
+        return [_VALUE, len(encoded), sum(t.numel() * t.element_size() for t in tensors), 1]
+
+    agreed = agreement.agree(process_group, facts, what="broadcast", required=True)
+    kind = agreed.rows[0][0]
+    if kind == _NONE:
         return None
-    disagree = [
-        r for r, h in zip(ranks, headers)
-        if h.kind != KIND_NONE and (h.kind != src.kind or (h.kind == KIND_TENSOR and (h.ndim, h.dtype) != (src.ndim, src.dtype)))
-    ]  # fmt: skip
-    if disagree:
-        raise ShapeMismatchError(
-            f"broadcast: ranks {disagree} passed items that do not match the source (rank {ranks[0]}); "
-            f"receivers must pass None or the same kind (a tensor of the same ndim and dtype): "
-            f"{_describe_all(headers, ranks)}"
-        )
-    device = group_device(process_group)
-    is_src = dist.get_rank() == ranks[0]
-    if is_src:
-        payload = _utf8(item) if src.kind == KIND_STR else item
-        payload = payload.to(device).contiguous()
+    if kind == _TENSOR:
+        return _broadcast_tensor(item, agreed, process_group, is_source)
+    if kind == _PICKLE:
+        return _broadcast_pickled(item, agreed, encoded, process_group, is_source)
+    device = agreement.comm_device(process_group)
+    _, size, tensor_bytes, _ = agreed.rows[0]
+    data = torch.frombuffer(encoded, dtype=torch.uint8).to(device) if is_source else torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(data, group=process_group, group_src=0)
+    if is_source:
+        payload = torch.cat([bytes_of(t.detach()).to(device) for t in tensors]) if tensors else None
     else:
-        payload = torch.empty(src.shape, dtype=src.dtype, device=device)
-    if payload.numel():
+        payload = torch.empty(tensor_bytes, dtype=torch.uint8, device=device) if tensor_bytes else None
+    if payload is not None:
         dist.broadcast(payload, group=process_group, group_src=0)
-    if is_src:
+    if is_source:
         return item
-    if src.kind == KIND_STR:
-        return bytes(payload.cpu().tolist()).decode("utf-8")
-    return payload
+    raw = data.cpu().numpy().tobytes()
+    received, offset = [], 0
+    for dtype, shape in _tensor_specs(raw):
+        n = torch.Size(shape).numel() * dtype.itemsize
+        received.append(tensor_from_bytes(payload[offset : offset + n].clone(), dtype, shape))
+        offset += n
+    return _Decoder(raw, received).value()
+
+
+def _broadcast_tensor(item: Any, agreed: agreement.Agreed, group: dist.ProcessGroup, is_source: bool) -> torch.Tensor:
+    src = agreed.rows[0]
+    dtype, ndim = agreement.DTYPES[src[1]], src[2]
+    disagree = [
+        rank for rank, row in zip(agreed.ranks, agreed.rows) if row[0] == _TENSOR and (row[1], row[2]) != (src[1], ndim)
+    ]
+    if disagree:
+        every = ", ".join(
+            f"rank {rank}: {f'Tensor{tuple(row[4:4 + row[2]])} {agreement.DTYPES[row[1]]}' if row[0] == _TENSOR else 'no tensor'}"
+            for rank, row in zip(agreed.ranks, agreed.rows)
+        )
+        raise ShapeMismatchError(
+            f"broadcast: ranks {disagree} passed tensors that do not match the source's (rank {agreed.ranks[0]}) "
+            f"ndim and dtype; receivers pass None or a tensor of the same ndim and dtype: {every}"
+        )
+    device = agreement.comm_device(group)
+    shape = tuple(src[4 : 4 + ndim])
+    data = bytes_of(item.detach()).to(device) if is_source else torch.empty(
+        torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device
+    )  # fmt: skip
+    if data.numel():
+        dist.broadcast(data, group=group, group_src=0)
+    return item if is_source else tensor_from_bytes(data, dtype, shape)
+
+
+def _broadcast_pickled(
+    item: Any, agreed: agreement.Agreed, type_name: bytearray, group: dist.ProcessGroup, is_source: bool
+) -> Any:
+    refusing = [rank for rank, row in zip(agreed.ranks, agreed.rows) if not row[3]]
+    if refusing:
+        raise TypeError(
+            f"broadcast: the source's value needs pickle and ranks {refusing} turned pickle off "
+            "(allow_pickle=False or WF_MESH_ALLOW_PICKLE=0); send a typed value instead"
+        )
+    if is_source and type_name.decode() not in _warned:
+        _warned.add(type_name.decode())
+        warnings.warn(
+            f"wf_mesh.broadcast: pickling a {type_name.decode()} (not a typed value); pass allow_pickle=False "
+            "or set WF_MESH_ALLOW_PICKLE=0 to forbid pickle",
+            stacklevel=3,
+        )
+    objects = [item if is_source else None]
+    dist.broadcast_object_list(objects, group=group, group_src=0)
+    return item if is_source else objects[0]

@@ -14,16 +14,28 @@ usual case for a gathered output: legacy ``cat_outputs_cp_with_grad``); choose `
 ranks use the gathered tensor DIFFERENTLY (e.g. all-gathered K/V in attention), so the true gradient of a
 shard is the sum of every rank's contribution.
 
-Uneven lengths follow ``torch.chunk`` sizing (the first ranks get one more element; trailing ranks may get
-none). The global shape is always passed to ``DTensor.from_local``; it is never inferred.
+Shards are plain local tensors by default, so the obvious loop works with ordinary modules::
+
+    x_local = shard_sequence(x, seq_dim=1)          # this rank's block, no collective
+    y = gather_sequence(model(x_local), seq_dim=1)  # nn.Linear, attention, ... on local tokens
+
+DTensor-aware models pass ``as_dtensor=True`` and get ``Shard(seq_dim)`` DTensors; ``gather_sequence`` then
+needs no ``seq_dim``. (An ordinary module cannot mix a DTensor input with its plain parameters, which is why
+plain tensors are the default.)
+
+Uneven lengths follow ``torch.chunk`` sizing (:mod:`wf_mesh.sizing`; trailing ranks may get nothing). The
+global shape is always passed to ``DTensor.from_local``; it is never inferred.
+
+Every call that communicates agrees first (:mod:`wf_mesh.agreement`): ranks exchange ``seq_dim``, the
+global length, DTensor-or-plain, dtype and shape in one small all-gather, so a bad or mismatched argument on
+one rank raises the same error on every rank instead of hanging or silently mixing rows and columns.
 
 ``mesh`` arguments take a 1-D DeviceMesh, a :class:`~wf_mesh.mesh.ParallelMesh` (its ``cp`` axis), or None
-(the current mesh's ``cp`` axis). :func:`mesh_for_group` turns a legacy ProcessGroup into a cached 1-D mesh.
+(the current mesh's ``cp`` axis).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -31,98 +43,49 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from wf_mesh import parallel_state
-from wf_mesh.collectives import (
-    KIND_TENSOR,
-    ShapeMismatchError,
-    exchange_headers,
-    group_device,
-)
-from wf_mesh.mesh import (
-    ParallelMesh,
-    get_parallel_mesh,
-    parallel_mesh_or_none,
-    register_destroy_hook,
-)
+from wf_mesh import _compat, agreement
+from wf_mesh.collectives import bytes_of, tensor_from_bytes
+from wf_mesh.errors import ShapeMismatchError, StateError
+from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
+from wf_mesh.sizing import chunk_range, chunk_sizes
+from wf_mesh.topology import as_int
 
-__all__ = [
-    "GradRule",
-    "IndivisibleSequenceError",
-    "broadcast_shard",
-    "check_divisible",
-    "check_shards",
-    "chunk_sizes",
-    "cp_mesh",
-    "find_split",
-    "gather_sequence",
-    "mesh_for_group",
-    "normalize_dim",
-    "sequence_dtensor",
-    "shard_sequence",
-]
+__all__ = ["GradRule", "broadcast_shard", "gather_sequence", "sequence_dtensor", "shard_sequence"]
 
 GradRule = Literal["replicate", "partial"]
+_GRAD_RULES = ("replicate", "partial")
 
 
-class IndivisibleSequenceError(AssertionError, ValueError):
-    """A length that must divide evenly does not. Both AssertionError (the legacy contract) and ValueError."""
-
-
-# ---- meshes -----------------------------------------------------------------------------------------
-_group_meshes: dict[str, DeviceMesh] = {}
-
-
-def _forget_group_meshes() -> None:
-    _group_meshes.clear()
-
-
-register_destroy_hook(_forget_group_meshes)
-
-
-def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
-    """The 1-D DeviceMesh over ``group``: the current mesh's ``cp`` axis when ``group`` is its cp group,
-    else a mesh built once per group (``DeviceMesh.from_group``) and cached until the mesh is destroyed."""
-    current = parallel_mesh_or_none()
-    if current is not None and group is current.group("cp"):
-        return current["cp"]
-    name = group.group_name
-    if name not in _group_meshes:
-        device_type = group_device(group).type
-        _group_meshes[name] = DeviceMesh.from_group(group, device_type)
-    return _group_meshes[name]
-
-
+# ---- meshes and dims --------------------------------------------------------------------------------
 def cp_mesh(mesh: DeviceMesh | ParallelMesh | None = None) -> DeviceMesh:
-    """Resolve a ``mesh`` argument (see the module docstring) to a 1-D DeviceMesh."""
+    """Resolve a ``mesh`` argument (see the module docstring) to a live 1-D DeviceMesh."""
     if mesh is None:
         mesh = get_parallel_mesh()
     if isinstance(mesh, ParallelMesh):
         return mesh["cp"]
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, a ParallelMesh or None, got {type(mesh).__name__}")
     if mesh.ndim != 1:
         raise ValueError(f"context parallel needs a 1-D mesh, got {mesh.ndim}-D {mesh}; pass e.g. mesh['cp']")
+    require_live(mesh, "the mesh")
     return mesh
 
 
-# ---- sizing -----------------------------------------------------------------------------------------
+def require_live(mesh: DeviceMesh, what: str) -> None:
+    """StateError, naming ``what``, if ``mesh``'s process groups were destroyed."""
+    if not _compat.mesh_is_live(mesh):
+        raise StateError(
+            f"{what} ({mesh}) belongs to a destroyed mesh (destroy_model_parallel / ParallelMesh.destroy); "
+            "build tensors on the current mesh"
+        )
+
+
 def normalize_dim(dim: int, ndim: int, what: str = "seq_dim") -> int:
-    """``dim`` in ``[0, ndim)``; negative dims count from the end. IndexError names the values."""
+    """``dim`` in ``[0, ndim)``; negative dims count from the end. TypeError / IndexError name the values."""
+    dim = as_int(what, dim)
     if not -ndim <= dim < ndim:
         raise IndexError(f"{what}={dim} is out of range for a tensor with {ndim} dims")
     return dim % ndim
-
-
-def chunk_sizes(length: int, parts: int) -> list[int]:
-    """Per-rank lengths of ``torch.chunk(range(length), parts)``, padded with zeros to ``parts`` entries."""
-    chunk = math.ceil(length / parts) if length else 0
-    return [max(0, min(chunk, length - i * chunk)) for i in range(parts)]
-
-
-def check_divisible(length: int, seq_dim: int, parts: int, what: str) -> None:
-    """IndivisibleSequenceError naming the numbers unless ``parts`` divides ``length``."""
-    if length % parts:
-        raise IndivisibleSequenceError(
-            f"{what}: sequence length {length} (seq_dim={seq_dim}) is not divisible by the cp size {parts}"
-        )
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -133,16 +96,10 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _local_chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    sizes = chunk_sizes(x.shape[dim], parts)
-    start = sum(sizes[:index])
-    return x.narrow(dim, start, sizes[index]).contiguous()
-
-
-def _from_shard(local: torch.Tensor, mesh: DeviceMesh, dim: int, global_shape: torch.Size) -> DTensor:
-    return DTensor.from_local(
-        local, mesh, [Shard(dim)], run_check=False, shape=global_shape, stride=_contiguous_stride(global_shape)
-    )
+def local_chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    """Block ``index`` of ``parts`` of ``x`` along ``dim`` (torch.chunk sizing): a view, no copy."""
+    start, stop = chunk_range(x.shape[dim], parts, index)
+    return x.narrow(dim, start, stop - start)
 
 
 def sequence_dtensor(
@@ -153,57 +110,46 @@ def sequence_dtensor(
     mesh: DeviceMesh | ParallelMesh | None = None,
 ) -> DTensor:
     """Wrap this rank's CP shard as a DTensor placed ``Shard(seq_dim)`` with the given global shape (never
-    inferred: inference assumes even shards). No collective."""
-    return _from_shard(local, cp_mesh(mesh), normalize_dim(seq_dim, local.ndim), torch.Size(global_shape))
+    inferred: inference assumes even shards). No collective, no check against the other ranks."""
+    global_shape = torch.Size(global_shape)
+    dim = normalize_dim(seq_dim, local.ndim)
+    return DTensor.from_local(
+        local, cp_mesh(mesh), [Shard(dim)], run_check=False, shape=global_shape, stride=_contiguous_stride(global_shape)
+    )
 
 
-# ---- shard / gather ---------------------------------------------------------------------------------
+# ---- shard ------------------------------------------------------------------------------------------
 def shard_sequence(
-    x: torch.Tensor, seq_dim: int, *, mesh: DeviceMesh | ParallelMesh | None = None, as_dtensor: bool = True
+    x: torch.Tensor, seq_dim: int, *, mesh: DeviceMesh | ParallelMesh | None = None, as_dtensor: bool = False
 ) -> torch.Tensor:
     """This rank's CP shard of ``x`` along ``seq_dim`` (Replicate -> Shard): no collective.
 
-    Rank r of the cp mesh gets block r in ``torch.chunk`` sizing (uneven lengths allowed). Returns a DTensor
-    with placement ``Shard(seq_dim)`` and the full global shape, or its local tensor if ``as_dtensor=False``.
-    Gradient: this rank's slice of the upstream gradient flows into ``x`` (no collective). Not idempotent:
-    sharding a shard shards it again. A DTensor ``x`` is redistributed to ``Shard(seq_dim)`` instead.
+    Rank r of the cp mesh gets block r in ``torch.chunk`` sizing (uneven lengths allowed), as a view of
+    ``x`` (no copy). Returns a plain tensor, so ordinary modules can run on it; ``as_dtensor=True`` returns a
+    DTensor placed ``Shard(seq_dim)`` with the full global shape instead. Gradient: this rank's slice of
+    the upstream gradient flows into ``x``. Not idempotent: sharding a shard shards it again. A DTensor
+    ``x`` on the cp mesh is redistributed to ``Shard(seq_dim)``; one on another mesh is an error.
     """
     mesh = cp_mesh(mesh)
     dim = normalize_dim(seq_dim, x.ndim)
     if isinstance(x, DTensor):
+        _require_mesh(x, mesh, "shard_sequence")
         out = x.redistribute(mesh, [Shard(dim)])
         return out if as_dtensor else out.to_local()
-    local = _local_chunk(x, dim, mesh.size(), mesh.get_local_rank())
-    return _from_shard(local, mesh, dim, x.shape) if as_dtensor else local
+    local = local_chunk(x, dim, mesh.size(), mesh.get_local_rank())
+    return sequence_dtensor(local, dim, x.shape, mesh=mesh) if as_dtensor else local
 
 
-def check_shards(
-    local: torch.Tensor, dim: int, expected: list[int] | None, mesh: DeviceMesh, what: str
-) -> None:
-    """All-gather every rank's shape and dtype; ShapeMismatchError, with the same message on EVERY rank,
-    unless all shards match the group's first rank in dtype, ndim and the non-sequence dims, and rank i's
-    length along ``dim`` is ``expected[i]`` (None: the first rank's length)."""
-    group = mesh.get_group()
-    headers = exchange_headers(local, group)
-    ranks = dist.get_process_group_ranks(group)
-    ref = headers[0]
-    if expected is None and ref.kind == KIND_TENSOR:
-        expected = [ref.shape[dim]] * len(ranks)
-
-    def others(shape: torch.Size) -> tuple[int, ...]:
-        return tuple(shape[:dim]) + tuple(shape[dim + 1 :])
-
-    problems = []
-    for r, h, length in zip(ranks, headers, expected or [None] * len(ranks)):
-        if h.kind != KIND_TENSOR or (h.dtype, h.ndim) != (ref.dtype, ref.ndim) or others(h.shape) != others(ref.shape):
-            problems.append(f"rank {r}: {h.describe()}")
-        elif h.shape[dim] != length:
-            problems.append(f"rank {r}: {h.describe()} (expected length {length} along dim {dim})")
-    if problems:
-        shapes = ", ".join(f"rank {r}: {h.describe()}" for r, h in zip(ranks, headers))
-        raise ShapeMismatchError(f"{what}: CP shards disagree across ranks ({'; '.join(problems)}); all shards: {shapes}")
+def _require_mesh(x: DTensor, mesh: DeviceMesh, what: str) -> None:
+    require_live(x.device_mesh, f"{what}: the DTensor's mesh")
+    if x.device_mesh != mesh:
+        raise ValueError(
+            f"{what}: the DTensor lives on {x.device_mesh} (placements {x.placements}), not on the cp mesh "
+            f"{mesh} given as mesh=; redistribute it onto the cp mesh first, or pass mesh=x.device_mesh"
+        )
 
 
+# ---- gather -----------------------------------------------------------------------------------------
 def gather_sequence(
     x: torch.Tensor,
     seq_dim: int | None = None,
@@ -211,133 +157,145 @@ def gather_sequence(
     mesh: DeviceMesh | ParallelMesh | None = None,
     seq_len: int | None = None,
     grad: GradRule = "replicate",
-    check: bool = True,
 ) -> torch.Tensor:
     """The full tensor from CP shards (Shard -> Replicate): one all-gather. Returns a plain tensor.
 
-    ``x`` is a DTensor sharded on a 1-D mesh (its placement gives the dim and global shape), or this rank's
-    local shard with ``seq_dim`` and the global ``seq_len`` (default: local length x cp size, i.e. even
-    shards). ``grad`` chooses the backward rule (module docstring). For a plain ``x``, ``check=True``
-    first all-gathers every rank's shape and dtype so that a mismatch raises ShapeMismatchError on every
-    rank instead of corrupting data or hanging; pass ``check=False`` when shapes are known to agree.
+    ``x`` is this rank's local shard with ``seq_dim``, or a DTensor placed ``Shard(dim)`` on a 1-D mesh (its
+    placement gives the dim and its shape the global length; ``mesh=``, if given, must be its mesh). The
+    global length is ``seq_len`` if given, else the sum of every rank's local length, which must be
+    ``torch.chunk`` sizing over the cp ranks. ``grad`` chooses the backward rule (module docstring).
+
+    Ranks agree first on DTensor-or-plain, dim, global length, dtype and the other dims (one tiny
+    all-gather): any disagreement or bad argument raises on every rank (ShapeMismatchError, IndexError,
+    TypeError, ValueError) before data moves. With checks off (``WF_MESH_CHECKS=0``), a plain ``x`` of an
+    uneven split needs ``seq_len`` (the default is then local length x cp size).
     """
-    if grad not in ("replicate", "partial"):
-        raise ValueError(f"grad={grad!r}: use 'replicate' or 'partial'")
-    if isinstance(x, DTensor):
-        placements = x.placements
-        if len(placements) != 1 or not isinstance(placements[0], Shard):
-            raise ValueError(f"gather_sequence needs a DTensor with one Shard placement, got {placements}")
-        if seq_dim is not None and normalize_dim(seq_dim, x.ndim) != placements[0].dim:
-            raise ValueError(f"seq_dim={seq_dim} but the DTensor is sharded on dim {placements[0].dim}")
-        dtensor = x
+    dtensor = isinstance(x, DTensor)
+    group_mesh = cp_mesh(mesh if mesh is not None or not dtensor else x.device_mesh)
+
+    def facts() -> list[int]:
+        if grad not in _GRAD_RULES:
+            raise ValueError(f"grad={grad!r}: use 'replicate' or 'partial'")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor or DTensor, got {type(x).__name__}")
+        if dtensor:
+            _require_mesh(x, group_mesh, "gather_sequence")
+            (placement,) = x.placements
+            if not isinstance(placement, Shard):
+                raise ValueError(f"gather_sequence needs a DTensor placed Shard(dim), got {x.placements}")
+            if seq_dim is not None and normalize_dim(seq_dim, x.ndim) != placement.dim:
+                raise ValueError(f"seq_dim={seq_dim} but the DTensor is sharded on dim {placement.dim}")
+            dim, total, local_shape = placement.dim, x.shape[placement.dim], x.to_local().shape
+        else:
+            if seq_dim is None:
+                raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")
+            dim, local_shape = normalize_dim(seq_dim, x.ndim), x.shape
+            total = -1 if seq_len is None else as_int("seq_len", seq_len, minimum=0)
+        return [int(dtensor), dim, total, _GRAD_RULES.index(grad), agreement.dtype_code(x.dtype), x.ndim,
+                *local_shape]  # fmt: skip
+
+    agreed = agreement.agree(group_mesh.get_group(), facts, what="gather_sequence")
+    parts, index = group_mesh.size(), group_mesh.get_local_rank()
+    total = _agreed_length(agreed, parts) if agreed is not None else None
+    if dtensor:
+        local = x
     else:
-        mesh = cp_mesh(mesh)
-        if seq_dim is None:
-            raise TypeError("gather_sequence: a plain tensor needs seq_dim (the DTensor placement is missing)")
         dim = normalize_dim(seq_dim, x.ndim)
-        parts = mesh.size()
-        total = x.shape[dim] * parts if seq_len is None else seq_len
-        expected = chunk_sizes(total, parts)
-        if check:
-            check_shards(x, dim, expected, mesh, "gather_sequence")
-        elif x.shape[dim] != expected[mesh.get_local_rank()]:
-            raise ValueError(
-                f"gather_sequence: local length {x.shape[dim]} along dim {dim} does not match the shard "
-                f"{expected[mesh.get_local_rank()]} of seq_len={total} over {parts} ranks"
-            )
-        dtensor = _from_shard(x, mesh, dim, x.shape[:dim] + (total,) + x.shape[dim + 1 :])
+        if total is None:  # checks off: trust seq_len, or even shards
+            total = seq_len if seq_len is not None else x.shape[dim] * parts
+            if x.shape[dim] != chunk_sizes(total, parts)[index]:
+                raise ShapeMismatchError(
+                    f"gather_sequence: local length {x.shape[dim]} along dim {dim} is not shard {index} of "
+                    f"seq_len={total} over {parts} ranks ({chunk_sizes(total, parts)})"
+                )
+        local = sequence_dtensor(x, dim, x.shape[:dim] + (total,) + x.shape[dim + 1 :], mesh=group_mesh)
     grad_placement = Replicate() if grad == "replicate" else Partial()
-    return dtensor.full_tensor(grad_placements=[grad_placement])
+    return local.full_tensor(grad_placements=[grad_placement])
 
 
+def _agreed_length(agreed: agreement.Agreed, parts: int) -> int:
+    """The global length every rank agreed on; ShapeMismatchError (on every rank) if shards do not fit it."""
+    agreed.require_same("DTensor-or-plain input", lambda r: "DTensor" if r[0] else "plain tensor")
+    agreed.require_same("seq_dim", lambda r: r[1])
+    agreed.require_same("seq_len", lambda r: None if r[2] < 0 else r[2])
+    agreed.require_same("grad", lambda r: _GRAD_RULES[r[3]])
+    agreed.require_same(
+        "dtype and the dims other than seq_dim",
+        lambda r: f"{agreement.DTYPES[r[4]]} {_without(r[6:], r[1])}",
+        error=ShapeMismatchError,
+    )
+    lengths = [r[6 + r[1]] for r in agreed.rows]
+    total = agreed.rows[0][2] if agreed.rows[0][2] >= 0 else sum(lengths)
+    expected = chunk_sizes(total, parts)
+    if lengths != expected:
+        shards = ", ".join(f"rank {r}: {n}" for r, n in zip(agreed.ranks, lengths))
+        raise ShapeMismatchError(
+            f"gather_sequence: local lengths along dim {agreed.rows[0][1]} ({shards}) are not torch.chunk shards of "
+            f"a sequence of {total} over {parts} ranks, which are {expected}"
+        )
+    return total
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return tuple(shape[:dim]) + ("*",) + tuple(shape[dim + 1 :])
+
+
+# ---- broadcast shard --------------------------------------------------------------------------------
 def broadcast_shard(
     x: torch.Tensor | None,
     seq_dim: int,
     *,
     mesh: DeviceMesh | ParallelMesh | None = None,
-    as_dtensor: bool = True,
-    require_even: bool = False,
-) -> torch.Tensor:
+    as_dtensor: bool = False,
+) -> torch.Tensor | None:
     """Scatter the cp mesh's first rank's ``x`` so that every rank receives only its own shard.
 
-    Receivers may pass None (or any tensor: it is ignored). The source's shape and dtype travel first, so
-    every rank can allocate just its shard; each receiver gets ``1/cp`` of the bytes a broadcast would move.
-    With ``require_even=True`` a length not divisible by the cp size raises IndivisibleSequenceError on
-    every rank before any data moves.
+    Receivers may pass None (or any tensor: it is ignored). The source's shape and dtype travel in the
+    agreement exchange, so every rank allocates just its shard: each receiver gets ``1/cp`` of the bytes a
+    broadcast would move. Any dtype. If the source passes None, every rank gets None. Returns a plain
+    tensor (a DTensor ``Shard(seq_dim)`` with ``as_dtensor=True``), on the group's device.
     """
     mesh = cp_mesh(mesh)
     group = mesh.get_group()
-    headers = exchange_headers(x, group)
-    src = headers[0]
-    if src.kind != KIND_TENSOR:
-        raise TypeError(f"broadcast_shard: the source rank must pass a tensor, got {src.describe()}")
-    dim = normalize_dim(seq_dim, src.ndim)
     parts, index = mesh.size(), mesh.get_local_rank()
-    if require_even:
-        check_divisible(src.shape[dim], seq_dim, parts, "broadcast_split_tensor")
-    sizes = chunk_sizes(src.shape[dim], parts)
-    shard_shape = list(src.shape)
-    shard_shape[dim] = sizes[index]
-    device = group_device(group)
-    out = torch.empty(shard_shape, dtype=src.dtype, device=device)
+    source = index == 0
+
+    def facts() -> list[int]:
+        seq = as_int("seq_dim", seq_dim)
+        if not source:
+            return [seq]
+        if x is None:
+            return [seq, 0]
+        if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+            raise TypeError(f"broadcast_shard: the source must pass a plain tensor or None, got {type(x).__name__}")
+        return [seq, 1, agreement.dtype_code(x.dtype), x.ndim, *x.shape, normalize_dim(seq, x.ndim)]
+
+    agreed = agreement.agree(group, facts, what="broadcast_shard", required=True)
+    src = agreed.rows[0]
+    if src[1] == 0:
+        return None
+    dtype, ndim = agreement.DTYPES[src[2]], src[3]
+    shape, dim = torch.Size(src[4 : 4 + ndim]), src[4 + ndim]
+    bad = [(rank, r[0]) for rank, r in zip(agreed.ranks, agreed.rows) if not -ndim <= r[0] < ndim]
+    if bad:
+        raise IndexError(f"broadcast_shard: seq_dim out of range for the source's {ndim}-D tensor on ranks {bad}")
+    agreed.require_same("seq_dim", lambda r: r[0] % ndim)
+    sizes = chunk_sizes(shape[dim], parts)
+    device = agreement.comm_device(group)
     chunks = None
-    if index == 0:
-        chunks = [_local_chunk(x.detach().to(device), dim, parts, i) for i in range(parts)]
-    if len(set(sizes)) == 1:
-        dist.scatter(out, chunks, group=group, group_src=0)
-    else:  # gloo's scatter needs equal sizes: pad to the largest chunk, then trim.
-        padded = list(shard_shape)
-        padded[dim] = sizes[0]
-        buffer = torch.empty(padded, dtype=src.dtype, device=device)
-        if chunks is not None:
-            chunks = [torch.nn.functional.pad(c, _pad_spec(c.ndim, dim, sizes[0] - c.shape[dim])) for c in chunks]
-        dist.scatter(buffer, chunks, group=group, group_src=0)
-        out = buffer.narrow(dim, 0, sizes[index]).contiguous()
-    return _from_shard(out, mesh, dim, src.shape) if as_dtensor else out
+    if source:  # equal-size byte buffers (gloo's scatter needs equal sizes): pad, then trim on receipt
+        chunks = [_padded_bytes(local_chunk(x.detach(), dim, parts, i), dim, sizes[0]).to(device) for i in range(parts)]
+    padded_shape = shape[:dim] + (sizes[0],) + shape[dim + 1 :]
+    buffer = torch.empty(padded_shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+    dist.scatter(buffer, chunks, group=group, group_src=0)
+    out = tensor_from_bytes(buffer, dtype, padded_shape).narrow(dim, 0, sizes[index])
+    out = out if sizes[index] == sizes[0] else out.contiguous()
+    return sequence_dtensor(out, dim, shape, mesh=mesh) if as_dtensor else out
 
 
-def _pad_spec(ndim: int, dim: int, amount: int) -> list[int]:
-    spec = [0] * (2 * ndim)
-    spec[2 * (ndim - 1 - dim) + 1] = amount  # F.pad lists dims from the last one
-    return spec
-
-
-# ---- planning ---------------------------------------------------------------------------------------
-def find_split(
-    shape_tensor: torch.Size | tuple[int, ...],
-    cp_size: int,
-    patch_values: tuple[int, int, int] = (1, 2, 2),
-    view_factor: int = 1,
-) -> torch.Size:
-    """Per-rank ``(T', H', W)`` of a ``(B, C, T, H, W)`` latent split over ``cp_size`` ranks, time first.
-
-    Per-view ``T = T // view_factor``. Walking T, H, W with ``remaining = cp_size``: ``g = gcd(size // patch,
-    remaining)``, ``remaining //= g``, the dim becomes ``size // g``. Width is never split: anything left
-    at W raises ValueError. Side effect (Megatron-compatible): sets ``wf_mesh.parallel_state.cp_size_t`` to
-    the temporal share ``g`` of T; ``destroy_model_parallel`` removes it.
-
-    >>> find_split((1, 16, 24, 88, 160), 16)
-    torch.Size([3, 44, 160])
-    """
-    if len(shape_tensor) != 5:
-        raise ValueError(f"find_split expects a (B, C, T, H, W) shape, got {tuple(shape_tensor)}")
-    if cp_size < 1 or view_factor < 1:
-        raise ValueError(f"find_split: cp_size={cp_size} and view_factor={view_factor} must be >= 1")
-    _, _, t, h, w = (int(s) for s in shape_tensor)
-    if t % view_factor:
-        raise IndivisibleSequenceError(f"find_split: T={t} is not divisible by view_factor={view_factor}")
-    t //= view_factor
-    remaining, split = cp_size, []
-    for size, patch in zip((t, h), patch_values[:2]):
-        g = math.gcd(size // patch, remaining)
-        remaining //= g
-        split.append(size // g)
-        if len(split) == 1:
-            cp_size_t = g
-    if remaining != 1:
-        raise ValueError(
-            f"find_split: cannot split (T={t}, H={h}, W={w}) with patch {tuple(patch_values)} over cp_size="
-            f"{cp_size}: a factor {remaining} is left for W, which is never split"
-        )
-    parallel_state.cp_size_t = cp_size_t
-    return torch.Size([*split, w])
+def _padded_bytes(chunk: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    if chunk.shape[dim] < length:
+        pad = list(chunk.shape)
+        pad[dim] = length - chunk.shape[dim]
+        chunk = torch.cat([chunk, chunk.new_zeros(pad)], dim)
+    return bytes_of(chunk)

@@ -2,17 +2,14 @@
 
 Which one to use:
 
-- :class:`PipelineP2P` (native) and :class:`PPScheduler` (the legacy names, a subclass; process-wide instance
-  via :func:`init_pp_scheduler` / :func:`pp_scheduler`): loops that move tensors between stages themselves.
-  Inference and denoising loops (stage 0 pre-posts the receive of the next step's latent, every stage
-  forwards its activations, the last stage sends back to stage 0), custom overlap, anything that is not a
-  training microbatch schedule. You own the order and the shapes; ``checked=True`` turns a shape or dtype
-  disagreement into a ValueError on the receiver instead of corrupt data or a gloo abort.
+- :class:`PipelineP2P`: loops that move tensors between stages themselves. Inference and denoising loops
+  (stage 0 pre-posts the receive of the next step's latent, every stage forwards its activations, the last
+  stage sends back to stage 0), custom overlap, anything that is not a training microbatch schedule. You own
+  the order and the shapes. (The legacy ``PPScheduler`` of ``wf_mesh.legacy.pipeline`` is a subclass.)
 - :func:`build_pipeline_stage`: training with microbatches. It wraps this rank's stage module in a
   ``torch.distributed.pipelining.PipelineStage`` placed by the mesh (stage index = pp rank, stage count = pp
   size, group = the pp group); drive it with ``ScheduleGPipe``, ``Schedule1F1B`` or another torch schedule,
-  which infer shapes, order sends and receives, run backward and scale gradients. Prefer it to hand-rolled
-  GPipe/1F1B over the P2P scheduler.
+  which infer shapes, order sends and receives, run backward and scale gradients.
 
 The pp group is a ring: the last stage's ``next`` is stage 0 and stage 0's ``prev`` is the last stage.
 Transfers are matched in order: the i-th send from stage a to stage b meets the i-th receive on b from a,
@@ -20,25 +17,27 @@ whatever the number in flight. Tensors live on the current CUDA device when the 
 on CPU otherwise (gloo).
 
 ==================================  ============================  =============================================
-call                                messages                      blocks until
+call                                messages (checked)            blocks until
 ==================================  ============================  =============================================
-``send`` / ``isend_next``           1 (2 when checked)            never (returns the work handle)
-``irecv`` / ``queue_irecv_prev``    1 (2 when checked)            never (checked: the previous receive's header)
-``recv`` / ``recv_prev_data``       1 (2 when checked)            the data arrived
-``exchange``                        1 batch (2 when checked)      everything in it completed
+``send``                            2 (header + payload)          never (returns the work handle)
+``irecv`` / ``irecv_into``          2                             never (the previous receive's header)
+``recv``                            2                             the data arrived
+``exchange``                        2 batches                     everything in it completed
 ==================================  ============================  =============================================
 
-Checked mode (``checked=True`` on BOTH ends of a link) is for development and debugging: every send is
-preceded by a 128-byte header (shape, dtype); the receiver waits for the header, compares it with what it
-expects and, on a mismatch, receives the payload into a scratch buffer (so the sender completes and the
-link stays in step) and raises ValueError naming both. Unchecked, a payload larger than the receive buffer
-aborts a gloo process (SIGABRT) and a smaller one silently leaves stale data in the buffer.
+**Checked mode** (the default): every payload is preceded by a small header (dtype, shape; the same wire
+format as :mod:`wf_mesh.agreement`'s rows); the receiver compares it with what it expects and, on a
+mismatch, receives the payload into a scratch buffer (so the sender completes and the link stays in step)
+and raises ValueError naming both. **Unchecked** (``checked=False``, one message per transfer, for
+latency-critical loops whose shapes are fixed): nothing is verified, and a mismatch is not an error but
+undefined behaviour: a payload larger than the receive buffer aborts a gloo process (SIGABRT), a smaller one
+leaves the rest of the buffer as it was (stale or uninitialised data). Every stage of the pp group must use
+the same mode: the constructor is collective over the pp group and raises on every stage if they differ.
 
-gloo drops a send whose work handle is garbage-collected before the peer receives it; the scheduler keeps
-up to ``max_pending_sends`` send handles alive, so callers may drop them as the legacy code does. A send
-still in flight when its group is destroyed is lost too: call ``wait_sends()`` before tearing down.
-The handles returned (:class:`P2PWork`) may be waited any number of times; gloo's own work, waited a second
-time, blocks until the timeout.
+gloo drops a send whose work handle is garbage-collected before the peer receives it; the link keeps up to
+``max_pending_sends`` send handles alive, so callers may drop them. A send still in flight when its group is
+destroyed is lost too: call ``wait_sends()`` before tearing down. The handles returned (:class:`P2PWork`)
+may be waited any number of times; gloo's own work, waited a second time, blocks until the timeout.
 """
 
 from __future__ import annotations
@@ -50,42 +49,21 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from wf_mesh.collectives import DTYPE_CODES, DTYPES
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, register_destroy_hook
+from wf_mesh import agreement
+from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
+from wf_mesh.topology import as_int
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
-__all__ = [
-    "P2PWork",
-    "PPScheduler",
-    "PendingRecv",
-    "PipelineP2P",
-    "PipelineStateError",
-    "build_pipeline_stage",
-    "init_pp_scheduler",
-    "pp_scheduler",
-    "pp_scheduler_or_none",
-]
+__all__ = ["P2PWork", "PendingRecv", "PipelineP2P", "build_pipeline_stage"]
 
 Peer = Literal["next", "prev"]
-
-# Checked-mode header: int64 [magic, dtype code, ndim, *shape (zero padded)]; fixed size on every link.
-HEADER_MAGIC = 0x77666D657368  # b"wfmesh"
-HEADER_LEN = 16
-MAX_CHECKED_NDIM = HEADER_LEN - 3
-
-
-class PipelineStateError(RuntimeError, AssertionError):
-    """Misuse of the process-wide PP scheduler (initialized twice, used before initialization).
-
-    Both a RuntimeError and an AssertionError: the original package raised AssertionError, so
-    ``except AssertionError`` in existing callers keeps working.
-    """
+_HEADER = "pipeline payload"  # the header's call name: a row of any other origin is not a header
 
 
 class P2PWork:
-    """Handle of a send or receive: ``wait()`` may be called any number of times, also after the scheduler
+    """Handle of a send or receive: ``wait()`` may be called any number of times, also after the link
     waited on it (a gloo point-to-point work waited twice blocks until the timeout). ``work`` is torch's."""
 
     __slots__ = ("work",)
@@ -101,61 +79,98 @@ class P2PWork:
         return self.work.is_completed()
 
 
-class PendingRecv:
-    """A posted receive; ``wait()`` returns ``tensor`` once it is filled.
-
-    In checked mode only the header receive is posted at first; the payload receive is posted when the
-    header has arrived and matched (at ``wait()``, or earlier when the next receive from the same stage is
-    posted). On a mismatch the payload goes to a scratch buffer and ``wait()`` raises ValueError.
-    """
-
-    __slots__ = ("_error", "_group_src", "_header", "_header_work", "_link", "tensor", "work")
-
-    def __init__(
-        self,
-        tensor: torch.Tensor,
-        work: dist.Work | None,
-        *,
-        link: PipelineP2P | None = None,
-        header: torch.Tensor | None = None,
-        header_work: dist.Work | None = None,
-        group_src: int = -1,
-    ) -> None:
-        self.tensor = tensor
-        self.work = work  # None until a checked receive's header is settled
-        self._link, self._header, self._header_work, self._group_src = link, header, header_work, group_src
-        self._error: str | None = None
-
-    def wait(self) -> torch.Tensor:
-        self._settle()
-        _wait_once(self.work)
-        if self._error is not None:
-            raise ValueError(self._error)
-        return self.tensor
-
-    def _settle(self) -> None:
-        if self.work is not None:
-            return
-        link = self._link
-        self._header_work.wait()
-        if link._unsettled.get(self._group_src) is self:
-            del link._unsettled[self._group_src]
-        target = self.tensor
-        for _, drain, message in link._mismatches([(self._header, self.tensor, self._group_src)]):
-            target, self._error = drain, message
-        self.work = dist.irecv(target, group=link.group, group_src=self._group_src)
-
-
 def _wait_once(work: dist.Work) -> None:
     # gloo: waiting a completed point-to-point work again blocks until the timeout
     if not work.is_completed():
         work.wait()
 
 
-def _pp_device(mesh: ParallelMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+class PendingRecv:
+    """A posted receive; ``wait()`` returns ``tensor`` once it is filled.
+
+    Checked mode posts only the header receive at first; :meth:`check` (called by ``wait()``, or when the
+    next receive from the same stage is posted) waits for the header, posts the payload receive, and on a
+    mismatch drains the payload into a scratch buffer and raises ValueError.
+    """
+
+    __slots__ = ("_error", "_headers", "_header", "_header_work", "_src", "tensor", "work")
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None, headers: _Headers | None = None) -> None:
+        self.tensor = tensor
+        self.work = work  # checked: None until the header is settled
+        self._headers = headers
+        self._header: torch.Tensor | None = None
+        self._header_work: dist.Work | None = None
+        self._src = -1
+        self._error: str | None = None
+
+    def check(self) -> None:
+        """Checked mode: wait for the header; on a mismatch, drain the payload and raise ValueError."""
+        if self.work is None:
+            self._headers.settle(self)
+        if self._error is not None:
+            _wait_once(self.work)
+            raise ValueError(self._error)
+
+    def wait(self) -> torch.Tensor:
+        self.check()
+        _wait_once(self.work)
+        return self.tensor
+
+
+class _Headers:
+    """Checked mode of one link: a (dtype, shape) header before every payload, verified on receipt."""
+
+    def __init__(self, link: PipelineP2P) -> None:
+        self.link = link
+        self.unsettled: dict[int, PendingRecv] = {}  # per peer: the receive whose header is not handled yet
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        facts = [agreement.dtype_code(tensor.dtype), tensor.ndim, *tensor.shape]
+        return agreement.header_row(_HEADER, facts, self.link.device)
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(agreement.ROW, dtype=torch.int64, device=self.link.device)
+
+    def post(self, buffer: torch.Tensor, src: int) -> PendingRecv:
+        self.settle_from(src)  # the previous receive's payload must be posted before this header
+        pending = PendingRecv(buffer, None, self)
+        pending._header, pending._src = self.empty(), src
+        pending._header_work = dist.irecv(pending._header, group=self.link.group, group_src=src)
+        self.unsettled[src] = pending
+        return pending
+
+    def settle_from(self, src: int) -> None:
+        pending = self.unsettled.get(src)
+        if pending is not None:
+            self.settle(pending)
+
+    def settle(self, pending: PendingRecv) -> None:
+        pending._header_work.wait()
+        if self.unsettled.get(pending._src) is pending:
+            del self.unsettled[pending._src]
+        target, pending._error = self.verify(pending._header, pending.tensor, pending._src)
+        pending.work = dist.irecv(target, group=self.link.group, group_src=pending._src)
+
+    def verify(self, header: torch.Tensor, buffer: torch.Tensor, src: int) -> tuple[torch.Tensor, str | None]:
+        """``(where the payload goes, error or None)``: ``buffer`` if the header matches it, else a scratch
+        buffer of the sender's dtype and shape (the payload is drained so the link stays in step)."""
+        link = self.link
+        facts = agreement.read_header(header, _HEADER)
+        if facts is None:
+            raise ValueError(
+                f"checked receive on pp stage {link.stage} from global rank {link.ranks[src]}: what arrived is not "
+                "a checked-mode header (the sender does not use checked mode on this link)"
+            )
+        dtype, shape = agreement.DTYPES[facts[0]], tuple(facts[2 : 2 + facts[1]])
+        if (shape, dtype) == (tuple(buffer.shape), buffer.dtype):
+            return buffer, None
+        message = (
+            f"checked receive on pp stage {link.stage} from pp stage {src} (global rank {link.ranks[src]}): "
+            f"expected {_describe(buffer.shape, buffer.dtype)}, received {_describe(shape, dtype)} "
+            "(the payload was drained; the link stays usable)"
+        )
+        return torch.empty(shape, dtype=dtype, device=link.device), message
 
 
 def _describe(shape: Sequence[int], dtype: torch.dtype) -> str:
@@ -165,10 +180,12 @@ def _describe(shape: Sequence[int], dtype: torch.dtype) -> str:
 class PipelineP2P:
     """Sends and receives between this rank's pipeline stage and its neighbours on the pp axis (a ring).
 
+    Collective over the pp group: every stage constructs its link with the same ``checked``.
+
     Args:
         mesh: the mesh whose ``pp`` axis to use (default: the current one).
-        checked: send a (shape, dtype) header before every payload and verify it on receipt (both ends of
-            a link must agree on it; see the module docstring).
+        checked: send a (dtype, shape) header before every payload and verify it on receipt (default; see the
+            module docstring for what unchecked links do on a mismatch).
         max_pending_sends: send handles kept alive for callers that drop them (gloo loses a send whose
             handle dies before the peer receives it). With more than that many sends not yet waited for,
             a send first waits for the oldest one.
@@ -177,11 +194,10 @@ class PipelineP2P:
     ranks, wrapping), ``group`` (the pp ProcessGroup), ``device``, ``checked``.
     """
 
-    def __init__(self, mesh: ParallelMesh | None = None, *, checked: bool = False, max_pending_sends: int = 64) -> None:
-        if max_pending_sends < 1:
-            raise ValueError(f"max_pending_sends={max_pending_sends} must be >= 1")
+    def __init__(self, mesh: ParallelMesh | None = None, *, checked: bool = True, max_pending_sends: int = 64) -> None:
+        self.max_pending_sends = as_int("max_pending_sends", max_pending_sends, minimum=1)
         self.mesh = mesh if mesh is not None else get_parallel_mesh()
-        self.checked = checked
+        self.checked = bool(checked)
         self.group = self.mesh.group("pp")
         self.ranks: list[int] = self.mesh.ranks("pp")
         self.stage = self.mesh.rank("pp")
@@ -189,10 +205,12 @@ class PipelineP2P:
         self._group_peer = {"next": (self.stage + 1) % self.num_stages, "prev": (self.stage - 1) % self.num_stages}
         self.next_rank = self.ranks[self._group_peer["next"]]
         self.prev_rank = self.ranks[self._group_peer["prev"]]
-        self.device = _pp_device(self.mesh)
-        self.max_pending_sends = max_pending_sends
+        self.device = self.mesh.device
         self._pending_sends: deque[dist.Work] = deque()
-        self._unsettled: dict[int, PendingRecv] = {}  # checked receives whose header is not yet handled
+        self._headers = _Headers(self) if self.checked else None
+        if self.num_stages > 1:  # both ends of every link must speak the same protocol
+            agreed = agreement.agree(self.group, lambda: [int(self.checked)], what=type(self).__name__, required=True)
+            agreed.require_same("checked", lambda r: bool(r[0]), hint="; every stage must use the same mode")
 
     @property
     def is_first(self) -> bool:
@@ -212,13 +230,12 @@ class PipelineP2P:
     def send(self, tensor: torch.Tensor, *, peer: Peer = "next") -> P2PWork:
         """Start sending ``tensor`` to the ``"next"`` (default) or ``"prev"`` stage; returns its handle.
 
-        No copy is made when ``tensor`` is contiguous: do not modify it until the handle's ``wait()`` returns
-        (:meth:`PPScheduler.isend_next` sends a copy instead).
+        No copy is made when ``tensor`` is contiguous: do not modify it until the handle's ``wait()`` returns.
         """
         group_dst = self._peer(peer, "send")
         tensor = self._check_tensor(tensor, "send").contiguous()
-        if self.checked:
-            self._track(dist.isend(self._header(tensor), group=self.group, group_dst=group_dst))
+        if self._headers is not None:
+            self._track(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst))
         work = dist.isend(tensor, group=self.group, group_dst=group_dst)
         self._track(work)
         return P2PWork(work)
@@ -247,20 +264,9 @@ class PipelineP2P:
             raise ValueError(
                 f"receive buffer must be contiguous, got shape {tuple(buffer.shape)} stride {buffer.stride()}"
             )
-        if not self.checked:
-            return PendingRecv(buffer, dist.irecv(buffer, group=self.group, group_src=group_src))
-        self._settle(group_src)  # the previous receive's payload must be posted before this header
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        pending = PendingRecv(
-            buffer,
-            None,
-            link=self,
-            header=header,
-            header_work=dist.irecv(header, group=self.group, group_src=group_src),
-            group_src=group_src,
-        )
-        self._unsettled[group_src] = pending
-        return pending
+        if self._headers is not None:
+            return self._headers.post(buffer, group_src)
+        return PendingRecv(buffer, dist.irecv(buffer, group=self.group, group_src=group_src))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, *, peer: Peer = "prev") -> torch.Tensor:
         """Receive a new ``(shape, dtype)`` tensor from the ``"prev"`` (default) or ``"next"`` stage; blocks."""
@@ -294,24 +300,19 @@ class PipelineP2P:
         if not sends and not recvs:
             raise ValueError("exchange: nothing to do; pass send_next/send_prev and/or recv_prev/recv_next")
         sends = [(self._check_tensor(t, "send").contiguous(), dst) for t, dst in sends]
-        scratch: dict[int, torch.Tensor] = {}
-        errors: list[str] = []
-        if self.checked:
+        targets, errors = [buf for buf, _ in recvs], []
+        if self._headers is not None:
             for _, src in recvs:
-                self._settle(src)
-            headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device) for _ in recvs]
+                self._headers.settle_from(src)
+            headers = [self._headers.empty() for _ in recvs]
             self._batch(
-                [dist.P2POp(dist.isend, self._header(t), group=self.group, group_peer=dst) for t, dst in sends]
-                + [dist.P2POp(dist.irecv, h, group=self.group, group_peer=src) for h, (_, src) in zip(headers, recvs)]
+                [(dist.isend, self._headers.of(t), dst) for t, dst in sends]
+                + [(dist.irecv, h, src) for h, (_, src) in zip(headers, recvs)]
             )
-            for i, drain, message in self._mismatches([(h, buf, src) for h, (buf, src) in zip(headers, recvs)]):
-                scratch[i] = drain
-                errors.append(message)
-        self._batch(
-            [dist.P2POp(dist.isend, t, group=self.group, group_peer=dst) for t, dst in sends]
-            + [dist.P2POp(dist.irecv, scratch.get(i, buf), group=self.group, group_peer=src)
-               for i, (buf, src) in enumerate(recvs)]
-        )  # fmt: skip
+            for i, (header, (buf, src)) in enumerate(zip(headers, recvs)):
+                targets[i], error = self._headers.verify(header, buf, src)
+                errors += [error] if error else []
+        self._batch([(dist.isend, t, dst) for t, dst in sends] + [(dist.irecv, t, src) for t, (_, src) in zip(targets, recvs)])
         if errors:
             raise ValueError("; ".join(errors))
         received = iter(buf for buf, _ in recvs)
@@ -330,11 +331,6 @@ class PipelineP2P:
             raise RuntimeError(f"cannot {what}: the pp axis has a single stage (pp=1), so there is no neighbour")
         return self._group_peer[peer]
 
-    def _settle(self, group_src: int) -> None:
-        pending = self._unsettled.get(group_src)
-        if pending is not None:
-            pending._settle()
-
     def _check_tensor(self, tensor: Any, what: str) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
@@ -350,132 +346,10 @@ class PipelineP2P:
         if len(pending) > self.max_pending_sends:
             _wait_once(pending.popleft())
 
-    def _batch(self, ops: list[dist.P2POp]) -> None:
-        for work in dist.batch_isend_irecv(ops):
+    def _batch(self, ops: list[tuple[Any, torch.Tensor, int]]) -> None:
+        p2p = [dist.P2POp(op, tensor, group=self.group, group_peer=peer) for op, tensor, peer in ops]
+        for work in dist.batch_isend_irecv(p2p):
             work.wait()
-
-    def _header(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dtype not in DTYPE_CODES:
-            raise ValueError(f"checked send: dtype {tensor.dtype} is not supported; supported: {list(DTYPES)}")
-        if tensor.dim() > MAX_CHECKED_NDIM:
-            raise ValueError(f"checked send: {tensor.dim()} dims, at most {MAX_CHECKED_NDIM} are supported")
-        values = [HEADER_MAGIC, DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape]
-        return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64, device=self.device)
-
-    def _mismatches(
-        self, received: list[tuple[torch.Tensor, torch.Tensor, int]]
-    ) -> list[tuple[int, torch.Tensor, str]]:
-        """Compare received ``(header, expected buffer, group_src)`` triples; for each mismatch return its
-        position, a scratch buffer of the sender's shape/dtype to drain the payload into, and the message."""
-        out = []
-        for i, (header, buffer, group_src) in enumerate(received):
-            magic, code, ndim, *dims = header.tolist()
-            src = self.ranks[group_src]
-            if magic != HEADER_MAGIC or not 0 <= code < len(DTYPES) or not 0 <= ndim <= MAX_CHECKED_NDIM:
-                raise ValueError(
-                    f"checked receive on pp stage {self.stage} from global rank {src}: what arrived is not a "
-                    "checked-mode header; both ends of a link must use checked=True"
-                )
-            shape, dtype = tuple(dims[:ndim]), DTYPES[code]
-            if (shape, dtype) != (tuple(buffer.shape), buffer.dtype):
-                message = (
-                    f"checked receive on pp stage {self.stage} from pp stage {group_src} (global rank {src}): "
-                    f"expected {_describe(buffer.shape, buffer.dtype)}, received {_describe(shape, dtype)} "
-                    "(the payload was drained; the link stays usable)"
-                )
-                out.append((i, torch.empty(shape, dtype=dtype, device=self.device), message))
-        return out
-
-
-class PPScheduler(PipelineP2P):
-    """Legacy point-to-point scheduler for adjacent pipeline stages (drop-in for the original package).
-
-    ``isend_next`` sends to the next stage (the last stage's reaches stage 0); the receives take from the
-    previous stage. ``queue_irecv_prev`` posts receives ahead of time and ``queue_irecv_prev_data`` pops
-    them oldest first. The native :class:`PipelineP2P` methods (``send``, ``recv``, ``exchange``, ...) work
-    on it too. Use the process-wide instance: :func:`init_pp_scheduler`, :func:`pp_scheduler`.
-    """
-
-    def __init__(self, mesh: ParallelMesh | None = None, *, checked: bool = False, max_pending_sends: int = 64) -> None:
-        super().__init__(mesh, checked=checked, max_pending_sends=max_pending_sends)
-        self._recv_queue: deque[PendingRecv] = deque()
-
-    def isend_next(self, tensor: torch.Tensor) -> P2PWork:
-        """Send a contiguous copy of ``tensor`` to the next stage; returns the work handle.
-
-        Thanks to the copy the caller may modify ``tensor`` at once; the handle may be dropped.
-        """
-        return self.send(self._check_tensor(tensor, "isend_next").detach().clone(memory_format=torch.contiguous_format))
-
-    def irecv_prev(self, buffer: torch.Tensor) -> P2PWork:
-        """Post a receive from the previous stage into ``buffer``; returns the work handle.
-
-        In checked mode this first waits for the header (and raises ValueError on a mismatch).
-        """
-        pending = self.irecv_into(buffer)
-        if self.checked:
-            pending._settle()
-            if pending._error is not None:
-                pending.wait()  # drains the payload, then raises
-        return P2PWork(pending.work)
-
-    def recv_prev_data(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Receive a new ``(shape, dtype)`` tensor from the previous stage; blocks until it arrived."""
-        return self.recv(shape, dtype)
-
-    def queue_irecv_prev(self, shape: Sequence[int], dtype: torch.dtype) -> None:
-        """Post a receive of a ``(shape, dtype)`` tensor from the previous stage and queue it (FIFO)."""
-        self._recv_queue.append(self.irecv(shape, dtype))
-
-    def queue_irecv_prev_data(self) -> torch.Tensor:
-        """Pop the oldest queued receive, wait for it and return its tensor."""
-        if not self._recv_queue:
-            raise RuntimeError("queue_irecv_prev_data: no receive is queued; call queue_irecv_prev(shape, dtype) first")
-        return self._recv_queue.popleft().wait()
-
-
-# ---- process-wide instance ----------------------------------------------------------------------------
-_scheduler: PPScheduler | None = None
-
-
-def init_pp_scheduler() -> PPScheduler:
-    """Create the process-wide :class:`PPScheduler` on the current mesh's pp axis and return it.
-
-    Raises:
-        PipelineStateError: it already exists (destroy_model_parallel() resets it).
-        RuntimeError: model parallel is not initialized.
-    """
-    global _scheduler
-    if _scheduler is not None:
-        raise PipelineStateError(
-            f"init_pp_scheduler: the PP scheduler is already initialized ({_scheduler!r}); "
-            "call wf_mesh.destroy_model_parallel() before initializing again"
-        )
-    _scheduler = PPScheduler()
-    return _scheduler
-
-
-def pp_scheduler() -> PPScheduler:
-    """The process-wide :class:`PPScheduler`; PipelineStateError if :func:`init_pp_scheduler` was not called."""
-    if _scheduler is None:
-        raise PipelineStateError(
-            "pp_scheduler: the PP scheduler is not initialized; call wf_mesh.init_pp_scheduler() "
-            "(wf_mesh.dist_init does it when pp_size > 1)"
-        )
-    return _scheduler
-
-
-def pp_scheduler_or_none() -> PPScheduler | None:
-    """The process-wide :class:`PPScheduler`, or None."""
-    return _scheduler
-
-
-def _reset() -> None:
-    global _scheduler
-    _scheduler = None
-
-
-register_destroy_hook(_reset)
 
 
 # ---- bridge to torch.distributed.pipelining -----------------------------------------------------------
@@ -506,7 +380,7 @@ def build_pipeline_stage(
         module,
         stage_index=mesh.rank("pp"),
         num_stages=mesh.size("pp"),
-        device=device if device is not None else _pp_device(mesh),
+        device=device if device is not None else mesh.device,
         group=mesh.group("pp"),
         **stage_kwargs,
     )

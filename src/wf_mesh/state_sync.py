@@ -5,8 +5,16 @@ each rank built and initialized its model from its own seed. :func:`broadcast_dt
 every local shard (parameters, then buffers) from the first global rank of this rank's replicate group to
 the others and copies it back in place. Tensors are coalesced per (device, dtype) into buckets of at most
 ``bucket_bytes`` (a tensor larger than that travels alone), so the collectives issued are one per bucket,
-not one per tensor, plus one tiny all-gather that checks every replica holds the same layout. CPU tensors
-are broadcast as they are (gloo); nothing is moved to another device.
+not one per tensor, plus one tiny agreement all-gather. CPU tensors are broadcast as they are (gloo);
+nothing is moved to another device.
+
+Before any data moves, every rank checks that each DTensor it holds is REPLICATED over the replicate group it
+was given (the group's ranks hold the same shard of it: its placements are Replicate on the mesh dims along
+which those ranks differ) and the ranks agree on the layout (names, dtypes, shapes) and ``bucket_bytes``. A
+mismatch, e.g. a model sharded with ``fully_shard(model, mesh=pm.fsdp_mesh())`` over dp x cp and then given
+``pm.hsdp_mesh()`` (whose replicate ranks hold DIFFERENT shards of it), raises on every rank naming the
+parameter, its placements and mesh, and the mesh given: copying shards between those ranks would silently
+corrupt the weights.
 
     pm = init_parallel(ParallelDims(cp=2), dp_replicate=2)
     fully_shard(model, mesh=pm.hsdp_mesh())
@@ -22,22 +30,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
-from wf_mesh.ema import _require_resharded, get_local_tensor_if_dtensor
+from wf_mesh import _compat, agreement
+from wf_mesh.ema import local_shard
 from wf_mesh.mesh import ParallelMesh
+from wf_mesh.topology import as_int
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_dtensor_model_states", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "broadcast_dtensor_model_states"]
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 """Default bucket cap of :func:`broadcast_dtensor_model_states` (bytes)."""
 
 
 def _model_states(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters then buffers, as local shards."""
-    for name, tensor in model.named_parameters():
-        yield name, get_local_tensor_if_dtensor(tensor).detach()
-    for name, tensor in model.named_buffers():
-        yield name, get_local_tensor_if_dtensor(tensor)
+    """Parameters then buffers (name, tensor as registered: DTensor or plain)."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
 
 
 def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[int]]:
@@ -63,6 +72,10 @@ def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET
 
 
 def _replicate_group(mesh: DeviceMesh | ParallelMesh, axis: str) -> dist.ProcessGroup:
+    if not isinstance(mesh, (DeviceMesh, ParallelMesh)):
+        raise TypeError(
+            f"broadcast_dtensor_model_states: mesh must be a DeviceMesh or a ParallelMesh, got {type(mesh).__name__}"
+        )
     names = mesh.axes if isinstance(mesh, ParallelMesh) else (mesh.mesh_dim_names or ())
     if axis not in names:
         raise ValueError(
@@ -73,22 +86,32 @@ def _replicate_group(mesh: DeviceMesh | ParallelMesh, axis: str) -> dist.Process
     return mesh.group(axis) if isinstance(mesh, ParallelMesh) else mesh.get_group(axis)
 
 
-def _check_same_layout(names: list[str], tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """One all-gather of (count, elements, layout hash): a clear error on every rank instead of a hang."""
-    layout = repr([(n, str(t.dtype), tuple(t.shape)) for n, t in zip(names, tensors)]).encode()
-    device = tensors[0].device if tensors else torch.device("cpu")
-    mine = torch.tensor([len(tensors), sum(t.numel() for t in tensors), zlib.crc32(layout)], device=device)
-    every = torch.empty(group.size() * 3, dtype=mine.dtype, device=device)
-    dist.all_gather_single(every, mine, group=group)
-    every = every.view(-1, 3)
-    if not bool((every == mine).all()):
-        ranks = dist.get_process_group_ranks(group)
-        seen = {r: tuple(v) for r, v in zip(ranks, every.tolist())}
-        raise ValueError(
-            "broadcast_dtensor_model_states: the replicas differ (global rank -> (tensors, elements, layout "
-            f"hash)): {seen}; every rank of a replicate group must hold the same parameters and buffers, "
-            "sharded the same way"
-        )
+def _replica_problem(name: str, tensor: DTensor, replicas: list[int], given: str, memo: dict) -> str | None:
+    """Why ``tensor`` is not replicated over the global ranks ``replicas`` (None if it is)."""
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    key = (id(mesh), placements)
+    if key not in memo:
+        grid, coords = mesh.mesh, mesh.get_coordinate()
+        same = torch.ones_like(grid, dtype=torch.bool)  # ranks that hold the same local data as this one
+        for dim, placement in enumerate(placements):
+            if not isinstance(placement, Replicate):
+                index = [slice(None)] * grid.ndim
+                index[dim] = coords[dim]
+                mask = torch.zeros_like(same)
+                mask[tuple(index)] = True
+                same &= mask
+        holders = set(grid[same].tolist())
+        memo[key] = sorted(set(replicas) - holders)
+    outsiders = memo[key]
+    if not outsiders:
+        return None
+    return (
+        f"parameter or buffer {name!r} is a DTensor with placements {placements} on {mesh} (mesh ranks "
+        f"{mesh.mesh.tolist()}): replicate group ranks {outsiders} of {replicas} ({given}) hold other data for it, "
+        "so copying from the group's first rank would overwrite their shards; pass a mesh whose replicate axis "
+        "runs along dims where the model is Replicate (for fully_shard(model, mesh=pm.hsdp_mesh()) pass "
+        "pm.hsdp_mesh(); a model sharded over pm.fsdp_mesh() has no replicas to broadcast between)"
+    )
 
 
 @torch.no_grad()
@@ -115,21 +138,38 @@ def broadcast_dtensor_model_states(
     Returns:
         The number of broadcasts issued (the buckets; 0 for a size-1 axis).
 
-    Raises:
-        ValueError: ``bucket_bytes < 1`` or no such axis (before any collective); the replicas' layouts differ
-            (raised on every rank of the group).
-        RuntimeError: FSDP2 holds parameters unsharded (after forward, before backward): the broadcast would
-            write copies that FSDP2 then discards.
+    Raises (on every rank of the replicate group, before any data moves):
+        ValueError: no such axis; a DTensor that is not replicated over the replicate group (module
+            docstring); ``bucket_bytes < 1``.
+        DisagreementError: the replicas' layouts or ``bucket_bytes`` differ.
+
+    FSDP2 modules left unsharded by a forward are resharded first (the broadcast writes shards).
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
     group = _replicate_group(mesh, replicate_axis)
     if group.size() == 1:
         return 0
-    _require_resharded(model, "broadcast_dtensor_model_states: the model")
+    _compat.reshard_fsdp_modules(model)  # the broadcast writes shards; unsharded copies would be discarded
     named = list(_model_states(model))
-    names, tensors = [n for n, _ in named], [t for _, t in named]
-    _check_same_layout(names, tensors, group)
+    replicas = dist.get_process_group_ranks(group)
+    given = f"axis {replicate_axis!r} of the mesh given"
+
+    def facts() -> list[int]:
+        size = as_int("bucket_bytes", bucket_bytes, minimum=1)
+        memo: dict = {}
+        for name, tensor in named:
+            if isinstance(tensor, DTensor) and (problem := _replica_problem(name, tensor, replicas, given, memo)):
+                raise ValueError(problem)
+        layout = repr([(n, str(t.dtype), tuple(local_shard(t).shape)) for n, t in named]).encode()
+        return [size, len(named), sum(local_shard(t).numel() for _, t in named), zlib.crc32(layout)]
+
+    agreed = agreement.agree(group, facts, what="broadcast_dtensor_model_states", required=True)
+    agreed.require_same("bucket_bytes", lambda r: r[0])
+    agreed.require_same(
+        "the model layout (tensors, elements, crc of names/dtypes/shapes)",
+        lambda r: (r[1], r[2], f"{r[3]:08x}"),
+        hint="; every rank of a replicate group must hold the same parameters and buffers, sharded the same way",
+    )
+    tensors = [local_shard(t).detach() for _, t in named]
     source = dist.get_group_rank(group, dist.get_rank()) == 0  # group rank 0 = the smallest global rank
     buckets = plan_buckets(tensors, bucket_bytes)
     for bucket in buckets:

@@ -91,9 +91,13 @@ def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) 
             break
         runs += 1
         conn.send(_call(message))
-        _store_barrier(store, f"run{runs}", world_size)
-        _cleanup()
-        conn.send(("clean",))
+        try:
+            _store_barrier(store, f"run{runs}", world_size)
+            _cleanup()
+            conn.send(("clean",))
+        except Exception:  # noqa: BLE001 - reported to the caller, then this worker stops
+            conn.send(("unclean", traceback.format_exc()))
+            break
     dist.destroy_process_group()
 
 
@@ -143,10 +147,13 @@ def _store_barrier(store: dist.Store, key: str, world_size: int) -> None:
 
 
 def _cleanup() -> None:
-    """Leave the worker as it started: no mesh, no subgroups, only the default group."""
-    from wf_mesh import _compat, parallel_state
+    """Leave the worker as it started: no mesh, no subgroups, no legacy state, only the default group."""
+    from wf_mesh import _compat, mesh
 
-    parallel_state.destroy_model_parallel()
+    current = mesh.parallel_mesh_or_none()
+    if current is not None:
+        current.destroy()
+    mesh.run_destroy_hooks()
     _compat.destroy_subgroups()
     gc.collect()
 
@@ -251,12 +258,18 @@ class LocalCluster:
             self.shutdown(force=True)  # stopped after a peer raised, or dead: restart on the next call
         else:
             clean = self._collect(CLEANUP_TIMEOUT, f"clean-up after {what}", None)
-            if any(r is None or r[0] != "clean" for r in clean):
+            unclean = [(rank, r) for rank, r in enumerate(clean) if r is None or r[0] != "clean"]
+            if unclean:
                 self.shutdown(force=True)
+                rank, reply = unclean[0]
+                raise RuntimeError(
+                    f"rank {rank} of {self.world_size} failed to clean up after {what} (the cluster will restart on "
+                    f"the next call):\n{reply[1] if reply else 'no reply'}"
+                )
         errors = sorted(
-            (r[3], rank, r) for rank, r in enumerate(replies) if r is not None and r[0] == "error"
+            ((r[3], rank) for rank, r in enumerate(replies) if r is not None and r[0] == "error")
         )  # by the time each rank raised
-        raised = [rank for _, rank, _ in errors]
+        raised = [rank for _, rank in errors]
         outcomes: list[Any] = []
         for rank, reply in enumerate(replies):
             if reply is None:

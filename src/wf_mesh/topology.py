@@ -54,13 +54,13 @@ _NAMES = {*AXES, *SUB_AXES, *DERIVED_AXES}
 def as_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     """``value`` as an int: ints (and numpy integers) pass; bool, float, str raise TypeError naming ``name``.
 
-    ``minimum``: ValueError (a DegreeError) below it.
+    ``minimum``: ValueError below it.
     """
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = operator.index(value)
     if minimum is not None and value < minimum:
-        raise DegreeError(f"{name}={value} must be >= {minimum}")
+        raise ValueError(f"{name}={value} must be >= {minimum}")
     return value
 
 

@@ -16,13 +16,15 @@ restores the latent. Position embeddings ``(T, H, W, D)`` are split with the sam
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh
 
-from wf_mesh.context_parallel import GradRule, cp_mesh, find_split, gather_sequence, sequence_dtensor
+from wf_mesh.context_parallel import GradRule, cp_mesh, gather_sequence, sequence_dtensor
 from wf_mesh.mesh import ParallelMesh
+from wf_mesh.topology import as_int
 
 __all__ = ["VideoSplit", "plan_video_split"]
 
@@ -124,8 +126,39 @@ class VideoSplit:
 def plan_video_split(
     shape: torch.Size | tuple[int, ...], cp_size: int, patch_values: tuple[int, int, int] = (1, 2, 2)
 ) -> VideoSplit:
-    """Plan the CP split of a ``(B, C, T, H, W)`` latent with :func:`~wf_mesh.context_parallel.find_split`
-    (which also sets ``parallel_state.cp_size_t``). ValueError when ``cp_size`` cannot be placed on T and H."""
-    local_t, local_h, _ = find_split(shape, cp_size, patch_values)
-    _, _, t, h, w = (int(s) for s in shape)
-    return VideoSplit(t=t, h=h, w=w, cp_t=t // local_t, cp_h=h // local_h)
+    """Plan the CP split of a ``(B, C, T, H, W)`` latent over ``cp_size`` ranks: time first, then height.
+
+    Walking T then H with ``remaining = cp_size``: ``g = gcd(size // patch, remaining)`` ranks split that dim
+    and ``remaining //= g``; width is never split. Pure (no collective, no global state; the legacy
+    ``find_split`` is this plus ``parallel_state.cp_size_t``).
+
+    Raises:
+        TypeError: a size, ``cp_size`` or patch value that is not an int.
+        ValueError: not 5 dims, a size or patch < 1; a factor of ``cp_size`` left for W; or a split dim that
+            would not cut into equal blocks of whole patches (it would drop rows: H=5 over 2 ranks).
+    """
+    if len(shape) != 5:
+        raise ValueError(f"plan_video_split expects a (B, C, T, H, W) shape, got {tuple(shape)}")
+    sizes = [as_int(f"shape[{i}] ({'BCTHW'[i]})", s, minimum=1) for i, s in enumerate(shape)]
+    cp_size = as_int("cp_size", cp_size, minimum=1)
+    if len(patch_values) != 3:
+        raise ValueError(f"patch_values must be 3 ints (T, H, W), got {tuple(patch_values)}")
+    patches = [as_int(f"patch_values[{i}]", p, minimum=1) for i, p in enumerate(patch_values)]
+    _, _, t, h, w = sizes
+    remaining, splits = cp_size, []
+    for name, size, patch in (("T", t, patches[0]), ("H", h, patches[1])):
+        g = math.gcd(size // patch, remaining)
+        if g > 1 and size % (g * patch):
+            raise ValueError(
+                f"plan_video_split: {name}={size} over {g} ranks would not give equal blocks of whole {patch}-wide "
+                f"patches (each block {size // g}, {size - g * (size // g)} left over); make {name} a multiple "
+                f"of {g * patch} or choose another cp_size"
+            )
+        remaining //= g
+        splits.append(g)
+    if remaining != 1:
+        raise ValueError(
+            f"plan_video_split: cannot split (T={t}, H={h}, W={w}) with patch {tuple(patches)} over cp_size="
+            f"{cp_size}: a factor {remaining} is left for W, which is never split"
+        )
+    return VideoSplit(t=t, h=h, w=w, cp_t=splits[0], cp_h=splits[1])

@@ -1,0 +1,153 @@
+"""Legacy context-parallel functions of ``worldfoundry.core.distributed``, layered on the native API.
+
+They take a ProcessGroup (``None`` = parallelism off: the input comes back as is) where the native API takes
+a mesh: :func:`mesh_for_group` turns a group into a 1-D DeviceMesh (the current mesh's cp axis when it is
+that group, else one built once per group and forgotten when the mesh is destroyed). ``find_split`` keeps the
+original side effect of setting ``wf_mesh.parallel_state.cp_size_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from wf_mesh import agreement, parallel_state
+from wf_mesh.context_parallel import (
+    broadcast_shard,
+    gather_sequence,
+    normalize_dim,
+    shard_sequence,
+)
+from wf_mesh.errors import IndivisibleSequenceError
+from wf_mesh.mesh import parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.topology import as_int
+from wf_mesh.video import plan_video_split
+
+__all__ = [
+    "broadcast_split_tensor",
+    "cat_outputs_cp",
+    "cat_outputs_cp_with_grad",
+    "find_split",
+    "mesh_for_group",
+    "split_inputs_cp",
+]
+
+_group_meshes: dict[str, DeviceMesh] = {}
+register_destroy_hook(_group_meshes.clear)
+
+
+def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
+    """The 1-D DeviceMesh over ``group``: the current mesh's ``cp`` axis when ``group`` is its cp group,
+    else a mesh built once per group (``DeviceMesh.from_group``) and cached until the mesh is destroyed."""
+    current = parallel_mesh_or_none()
+    if current is not None and group is current.group("cp"):
+        return current["cp"]
+    name = group.group_name
+    if name not in _group_meshes:
+        _group_meshes[name] = DeviceMesh.from_group(group, agreement.comm_device(group).type)
+    return _group_meshes[name]
+
+
+def _off(group: dist.ProcessGroup | None) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def _check_divisible(length: int, seq_dim: int, parts: int, what: str) -> None:
+    if length % parts:
+        raise IndivisibleSequenceError(
+            f"{what}: sequence length {length} (seq_dim={seq_dim}) is not divisible by the cp size {parts}"
+        )
+
+
+def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's contiguous block of ``x`` along ``seq_dim`` (block r for group rank r); no collective.
+
+    Returns a NEW tensor, never a view of ``x`` (in-place updates of the shard leave ``x`` alone; the native
+    ``shard_sequence`` returns a view). ``cp_group=None`` or a one-rank group returns ``x`` itself. The
+    length must divide evenly: IndivisibleSequenceError (an AssertionError and a ValueError) names the
+    length, dim and cp size. Not idempotent: splitting a split tensor shrinks it again.
+    """
+    if _off(cp_group):
+        return x
+    mesh = mesh_for_group(cp_group)
+    _check_divisible(x.shape[normalize_dim(seq_dim, x.ndim)], seq_dim, mesh.size(), "split_inputs_cp")
+    return shard_sequence(x, seq_dim, mesh=mesh).clone(memory_format=torch.contiguous_format)
+
+
+def _cat(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    try:
+        return gather_sequence(x, seq_dim, mesh=mesh_for_group(cp_group), grad="replicate")
+    except (ValueError, TypeError, IndexError):  # agreed argument errors, raised on every rank as they are
+        raise
+    except RuntimeError as e:
+        raise RuntimeError("Failed to gather tensors") from e
+
+
+def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``seq_dim`` in group-rank order; the result carries no gradient.
+
+    ``cp_group=None`` or a one-rank group returns ``x`` itself. Shards whose dtype or other dims differ
+    across ranks, or whose lengths are not torch.chunk shards of their sum, raise ShapeMismatchError (a
+    RuntimeError and a ValueError) on every rank; a failed collective raises
+    ``RuntimeError("Failed to gather tensors")`` chained to its cause.
+    """
+    if _off(cp_group):
+        return x
+    return _cat(x.detach(), seq_dim, cp_group)
+
+
+def cat_outputs_cp_with_grad(
+    x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """:func:`cat_outputs_cp` whose result keeps this rank's autograd graph: the gradient of ``x`` is this
+    rank's slice of the upstream gradient (no collective in backward; ``grad="replicate"``)."""
+    if _off(cp_group):
+        return x
+    return _cat(x, seq_dim, cp_group)
+
+
+def broadcast_split_tensor(
+    tensor: torch.Tensor | None, seq_dim: int, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor | None:
+    """The group's first rank's ``tensor``, reaching every rank as that rank's CP shard along ``seq_dim``.
+
+    Each rank receives only its shard (a scatter), not the whole tensor. Receivers may pass None; when the
+    source passes None every rank gets None. ``process_group=None`` or a one-rank group returns ``tensor``
+    itself. The length must divide evenly by the group size (IndivisibleSequenceError on every rank).
+    """
+    if _off(process_group):
+        return tensor
+    shard = broadcast_shard(tensor, seq_dim, mesh=mesh_for_group(process_group), as_dtensor=True)
+    if shard is None:
+        return None
+    dim = shard.placements[0].dim
+    _check_divisible(shard.shape[dim], seq_dim, dist.get_world_size(process_group), "broadcast_split_tensor")
+    return shard.to_local()
+
+
+def find_split(
+    shape_tensor: torch.Size | tuple[int, ...],
+    cp_size: int,
+    patch_values: tuple[int, int, int] = (1, 2, 2),
+    view_factor: int = 1,
+) -> torch.Size:
+    """Per-rank ``(T', H', W)`` of a ``(B, C, T, H, W)`` latent split over ``cp_size`` ranks, time first
+    (:func:`~wf_mesh.plan_video_split` of the per-view latent, T // view_factor).
+
+    Side effect (Megatron-compatible): sets ``wf_mesh.parallel_state.cp_size_t`` to the ranks that split T;
+    ``destroy_model_parallel`` removes it.
+
+    >>> find_split((1, 16, 24, 88, 160), 16)
+    torch.Size([3, 44, 160])
+    """
+    if len(shape_tensor) != 5:
+        raise ValueError(f"find_split expects a (B, C, T, H, W) shape, got {tuple(shape_tensor)}")
+    b, c, t, h, w = shape_tensor
+    view_factor = as_int("view_factor", view_factor, minimum=1)
+    t = as_int("shape_tensor[2] (T)", t, minimum=1)
+    if t % view_factor:
+        raise IndivisibleSequenceError(f"find_split: T={t} is not divisible by view_factor={view_factor}")
+    split = plan_video_split((b, c, t // view_factor, h, w), cp_size, patch_values)
+    parallel_state.cp_size_t = split.cp_t
+    return torch.Size(split.local_thw)

@@ -1,0 +1,42 @@
+"""Helpers shared by the test modules (importable by the cluster's workers too: tests/ is on their path)."""
+
+from __future__ import annotations
+
+import enum
+import re
+
+import torch
+
+
+def sample(shape, seed=0, dtype=torch.float32):
+    """The same pseudo-random tensor on every rank (its own generator: the global RNG is left alone)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def raised_everywhere(outcomes, error, match):
+    """Assert that every rank's outcome (``run_distributed(..., return_exceptions=True)``) is an ``error``
+    whose message matches the regex ``match``; return the messages."""
+    messages = []
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, error), f"rank {rank}: expected {error.__name__}, got {outcome!r}"
+        assert re.search(match, str(outcome)), f"rank {rank}: {str(outcome)!r} does not match {match!r}"
+        messages.append(str(outcome))
+    return messages
+
+
+class DataType(str, enum.Enum):
+    """A str-Enum like the conditioners of real world-model code broadcast."""
+
+    VIDEO = "video"
+    IMAGE = "image"
+
+
+class Opaque:
+    """An object only pickle can carry."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and other.value == self.value
