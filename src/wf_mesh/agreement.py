@@ -79,6 +79,9 @@ _TYPES: tuple[type[BaseException], ...] = (
     TypeError,
     ValueError,
     NotImplementedError,
+    FileNotFoundError,
+    ImportError,
+    OSError,
     RuntimeError,
     Exception,
 )

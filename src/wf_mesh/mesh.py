@@ -57,20 +57,21 @@ _ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
 _DEVICE_TYPES = ["cpu", "cuda"]
 
 _current: ParallelMesh | None = None
-_destroy_hooks: list[Callable[[], None]] = []
+_destroy_hooks: list[Callable[[bool], None]] = []
 
 
-def register_destroy_hook(hook: Callable[[], None]) -> None:
-    """Call ``hook()`` whenever the current mesh is destroyed, before its groups are (the legacy layer resets
-    its process-wide state here: the PP scheduler, cached group meshes, ``parallel_state.cp_size_t``)."""
+def register_destroy_hook(hook: Callable[[bool], None]) -> None:
+    """Call ``hook(destroy_process_groups)`` whenever the current mesh is destroyed, before its groups are (the
+    legacy layer resets its process-wide state here: the PP scheduler, cached group meshes, groups it
+    created itself, ``parallel_state.cp_size_t``). The flag says whether process groups are being destroyed."""
     if hook not in _destroy_hooks:
         _destroy_hooks.append(hook)
 
 
-def run_destroy_hooks() -> None:
+def run_destroy_hooks(destroy_process_groups: bool = True) -> None:
     """Reset every registered per-mesh state (what destroying the current mesh does first)."""
     for hook in _destroy_hooks:
-        hook()
+        hook(destroy_process_groups)
 
 
 class ParallelMesh:
@@ -203,7 +204,7 @@ class ParallelMesh:
         self.destroyed = True
         if _current is self:
             _current = None
-            run_destroy_hooks()
+            run_destroy_hooks(destroy_process_groups)
             agreement._set_checks(None)
         _compat.release_meshes(self.root, self._meshes, destroy_groups=destroy_process_groups)
         self._axes = {}

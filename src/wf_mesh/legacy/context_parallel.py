@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 _group_meshes: dict[str, DeviceMesh] = {}
-register_destroy_hook(_group_meshes.clear)
+register_destroy_hook(lambda destroy_process_groups: _group_meshes.clear())
 
 
 def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:

@@ -108,7 +108,7 @@ def pp_scheduler_or_none() -> PPScheduler | None:
     return _scheduler
 
 
-def _reset() -> None:
+def _reset(destroy_process_groups: bool) -> None:
     global _scheduler
     _scheduler = None
 
