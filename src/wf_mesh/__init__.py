@@ -6,9 +6,11 @@ Native API (mesh first):
     get_parallel_mesh      the current mesh (raises if none); parallel_mesh_or_none() returns None instead
     ParallelMesh           mesh[axis] -> DeviceMesh, .group/.rank/.size/.ranks(axis), .destroy()
 
-Context parallel (wf_mesh.context_parallel, wf_mesh.video):
+Context parallel (wf_mesh.context_parallel, wf_mesh.video, wf_mesh.attention):
     shard_sequence / gather_sequence / broadcast_shard   Replicate <-> Shard(seq_dim) on the cp axis
-    find_split, plan_video_split -> VideoSplit           time-then-height CP plans for (B, C, T, H, W) latents
+    plan_video_split -> VideoSplit                       time-then-height CP plans for (B, C, T, H, W) latents
+    cp_attention, CPSelfAttention                        exact attention over cp shards: ring, ulysses, usp
+    zigzag_shard / zigzag_gather                         the load-balanced layout for causal attention
 
 Shard-local model state for FSDP2 (wf_mesh.ema, wf_mesh.state_sync):
     ShardedEMA                       fp32 EMA of local shards; update(model), swapped_into(model), DCP state_dict
@@ -57,6 +59,10 @@ _EXPORTS: dict[str, str] = {
     "gather_sequence": "wf_mesh.context_parallel",
     "shard_sequence": "wf_mesh.context_parallel",
     "VideoSplit": "wf_mesh.video",
+    "CPSelfAttention": "wf_mesh.attention",
+    "cp_attention": "wf_mesh.attention",
+    "zigzag_gather": "wf_mesh.attention",
+    "zigzag_shard": "wf_mesh.attention",
     "plan_video_split": "wf_mesh.video",
     "ShardedEMA": "wf_mesh.ema",
     "PipelineP2P": "wf_mesh.pipeline",

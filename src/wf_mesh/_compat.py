@@ -23,13 +23,19 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
 - ``clear_dtensor_caches`` (called by ``release_meshes`` and ``destroy_subgroups``): DTensor's
   sharding-propagation and redistribute caches key on DeviceMesh equality (ranks, layout, names; not process
   groups), so after destroy + init a new, equal mesh would get cached specs that hold the OLD mesh and its
-  destroyed groups ("Could not resolve the process group registered under the name ...").
+  destroyed groups ("Could not resolve the process group registered under the name ..."). ``mesh_is_live``
+  asks the same registry whether a mesh's groups still exist.
+- ``flash_attention_cpu`` / ``flash_attention_cpu_backward`` (CP attention): ``F.scaled_dot_product_attention``
+  does not return the row log-sum-exp needed to merge partial results over key blocks; the aten ops behind
+  its CPU flash path do, and take it back for a blockwise backward.
+- ``c10d_ops``: CommDebugMode counts collectives only; counting point-to-point ops too needs a dispatch mode
+  (``torch.utils._python_dispatch``).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,17 +44,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "backend_options",
+    "c10d_ops",
     "clear_dtensor_caches",
     "default_group_timeout",
     "destroy_subgroups",
     "dtensor_local",
+    "flash_attention_cpu",
+    "flash_attention_cpu_backward",
     "flatten",
-    "reshard_fsdp_modules",
     "mesh_group_names",
     "mesh_is_live",
     "process_group_counts",
     "register_fake_backend",
     "release_meshes",
+    "reshard_fsdp_modules",
     "unflatten",
     "wait_if_async",
 ]
@@ -193,3 +202,59 @@ def clear_dtensor_caches() -> None:
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
 
+
+# ---- fused CPU attention with log-sum-exp (attention.py) -------------------------------------------------
+# ``F.scaled_dot_product_attention`` does not return the row log-sum-exp that context-parallel attention
+# needs to merge partial results over key blocks, nor take it back for a blockwise backward; the aten ops
+# behind its CPU flash path do both.
+
+
+def flash_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of softmax attention of CPU tensors ``(B, H, S, D)`` (the flash kernel of SDPA).
+
+    ``lse`` is fp32 ``(B, H, Sq)`` whatever the input dtype. ``bias``: additive float mask in q's dtype,
+    broadcastable to ``(B, H, Sq, Sk)``. k/v may have fewer heads than q (grouped as ``enable_gqa=True``).
+    Quirks the caller handles: a row whose keys are all masked gets out 0 and lse 0 (not -inf), and a
+    key length of 0 crashes the process (SIGFPE).
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
+    )
+
+
+def flash_attention_cpu_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flash_attention_cpu` for the given ``out`` and ``lse``: passing those of the
+    whole key range (the merged result) gives one key block's exact share of the gradients."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
+    )
+
+
+# ---- counting c10d ops (tests/test_cp_attention.py, benchmarks/cp_attention.py) ---------------------------
+# CommDebugMode (public) counts collectives only: point-to-point ops (c10d.send, c10d.recv_) are dispatched
+# but not in its list. The mode class it builds on lives in the private torch.utils._python_dispatch.
+def c10d_ops(on_op: Callable[[str, tuple], None]) -> Any:
+    """A context manager in which ``on_op(name, args)`` sees every ``c10d`` op dispatched on this thread (and in
+    autograd's backward), collectives and point-to-point alike, before it runs: ``name`` is the op's name
+    (``"send"``, ``"recv_"``, ``"alltoall_base_"``, ``"_allgather_base_"``, ...), ``args`` its arguments."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class C10dOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                on_op(str(func).split(".")[1], args)
+            return func(*args, **(kwargs or {}))
+
+    return C10dOps()

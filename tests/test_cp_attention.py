@@ -1,0 +1,521 @@
+"""CP attention (wf_mesh.attention) on real gloo clusters, compared with single-process
+``F.scaled_dot_product_attention`` on the full sequence: forward and backward (dq, dk, dv).
+
+Every world size runs its whole case list in ONE ``run_distributed`` call (session fixtures); the tests then
+look up their case. References are computed here in fp64 from the same inputs.
+
+Tolerances: fp32 results within 1e-5 (abs + rel) of the fp64 reference. bf16 within 3e-2 and fp16 within
+5e-3 (abs + rel): bf16 keeps 8 significant bits (rounding 2^-9 ~ 2e-3 relative per value), fp16 11 (2^-12), and
+the kernels round q.k products, probabilities and each block's partial output to the input dtype before the
+fp32 merge; single-process SDPA in those dtypes stays within half of each bound on these shapes (asserted, so
+that the bounds stay meaningful).
+
+Collective counts: ``CommDebugMode`` counts c10d collectives (it sees gloo's all_to_all_single as
+``alltoall_base_``, all_gather_single as ``_allgather_base_``, reduce_scatter as ``_reduce_scatter_base_``) but
+not point-to-point ops: ``c10d.send`` / ``c10d.recv_`` are dispatched but are not in its list. So
+:func:`c10d_counter` (``wf_mesh._compat.c10d_ops``, the dispatch mode CommDebugMode builds on) counts every
+``c10d`` op by name, P2P included; it must agree with CommDebugMode on the collectives, and both are pinned
+against counts derived from the algorithm here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+import wf_mesh
+from wf_mesh import _compat, attention
+from wf_mesh.attention import (
+    CPSelfAttention,
+    cp_attention,
+    zigzag_gather,
+    zigzag_shard,
+    zigzag_sizes,
+)
+from wf_mesh.context_parallel import chunk_sizes, sequence_dtensor
+from wf_mesh.errors import DisagreementError, ShapeMismatchError
+from wf_mesh.testing import run_distributed
+
+USP = ("cp_ring", "cp_ulysses")
+TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+def c10d_counter():
+    """``(counts, mode)``: while ``mode`` is active, every ``c10d`` op dispatched (collectives and point-to-point)
+    is counted by name into ``counts``."""
+    counts = collections.Counter()
+    return counts, _compat.c10d_ops(lambda name, args: counts.update([name]))
+
+
+# ---- cases ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    world: int
+    method: str
+    seq: int
+    causal: bool = False
+    layout: str = "bhsd"
+    heads: int = 4
+    kv_heads: int = 4
+    balance: str | None = None
+    pad: bool = False
+    dtype: str = "float32"
+    usp: tuple[int, int] | None = None  # (ring, ulysses) of a 2-D DeviceMesh
+    dtensor: bool = False
+
+    @property
+    def id(self) -> str:
+        parts = [f"cp{self.world}", self.method + (f"{self.usp[0]}x{self.usp[1]}" if self.usp else ""), f"S{self.seq}"]
+        parts += ["causal"] * self.causal + [self.layout, f"h{self.heads}kv{self.kv_heads}"]
+        parts += [self.balance] * bool(self.balance) + ["pad"] * self.pad + [self.dtype] + ["dtensor"] * self.dtensor
+        return "-".join(parts)
+
+
+def methods(world):
+    splits = {2: [(1, 2), (2, 1)], 4: [(2, 2)], 8: [(2, 4), (4, 2)]}[world]
+    return [("ring", None), ("ulysses", None), ("allgather", None)] + [("usp", s) for s in splits]
+
+
+def cases_for(world):
+    heads = max(4, world)  # ulysses over all cp ranks needs heads divisible by the cp size
+    even, uneven = 4 * world, 4 * world - 3  # cp 8: S=29 -> chunk sizes 4 x 7 + 1; zigzag 2 x 14 + 1 + 0
+    out = []
+    for method, usp in methods(world):
+        base = {"world": world, "method": method, "usp": usp, "heads": heads, "kv_heads": heads}
+        out += [
+            Case(seq=even, **base),
+            Case(seq=uneven, causal=True, balance="zigzag", **base),
+            Case(seq=uneven, causal=True, pad=True, layout="bshd", **{**base, "kv_heads": heads // 2}),
+        ]
+        if world < 8:  # 8 processes on a small machine are slow: cp 8 runs the core of the matrix only
+            out += [
+                Case(seq=uneven, causal=True, layout="bshd", **base),
+                Case(seq=even, causal=True, balance="zigzag", pad=True, **{**base, "kv_heads": 1}),
+                Case(seq=even, causal=True, dtype="bfloat16", **base),
+                Case(seq=uneven, causal=True, balance="zigzag", dtype="float16", **base),
+            ]
+        else:  # trailing ranks without tokens: chunk sizes 4 x 6 + 1 + 0
+            out.append(Case(seq=25, causal=True, layout="bshd", **base))
+    if world == 4:
+        out += [
+            Case(world=4, method=m, usp=u, seq=14, causal=c, layout=lay, dtensor=True)
+            for (m, u), c, lay in zip(methods(4), (False, True, True, False), ("bhsd", "bshd", "bhsd", "bshd"))
+        ]
+    return out
+
+
+CASES = {w: cases_for(w) for w in (2, 4, 8)}
+ALL = [c for w in CASES for c in CASES[w]]
+
+
+def make_inputs(case):
+    """Global q, k, v, dout (B, H, S, D) and the key padding mask (B, S), the same on every process."""
+    g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
+    dtype = getattr(torch, case.dtype)
+    b, d = 2, 8
+
+    def sample(h):
+        return torch.randn(b, h, case.seq, d, generator=g, dtype=torch.float64).to(dtype)
+
+    q, k, v, dout = sample(case.heads), sample(case.kv_heads), sample(case.kv_heads), sample(case.heads)
+    pad = None
+    if case.pad:
+        pad = torch.rand(b, case.seq, generator=g) < 0.3
+        pad[1, : case.seq // 2] = True  # with causal: the first half of batch 1's queries see no key at all
+    return q, k, v, dout, pad
+
+
+def to_layout(x, layout):
+    return x.transpose(1, 2).contiguous() if layout == "bshd" else x
+
+
+def shard_of(x, dim, world, rank, balance):
+    if balance:
+        sizes = chunk_sizes(x.shape[dim], 2 * world)
+        starts = [sum(sizes[:i]) for i in range(2 * world)]
+        a, b = rank, 2 * world - 1 - rank
+        return torch.cat([x.narrow(dim, starts[a], sizes[a]), x.narrow(dim, starts[b], sizes[b])], dim)
+    sizes = chunk_sizes(x.shape[dim], world)
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+# ---- distributed runs ----------------------------------------------------------------------------------
+def run_case(case, pm, usp_meshes):
+    rank, seq_dim = pm.rank("cp"), 1 if case.layout == "bshd" else 2
+    q, k, v, dout, pad = make_inputs(case)
+
+    def shard(x, dim):
+        if case.balance:
+            return zigzag_shard(x, dim, mesh=pm)
+        return wf_mesh.shard_sequence(x, dim, mesh=pm, as_dtensor=False)
+
+    leaves = [shard(to_layout(x, case.layout), seq_dim).clone().requires_grad_() for x in (q, k, v)]
+    inputs, mesh = leaves, usp_meshes[case.usp] if case.usp else pm
+    if case.dtensor:
+        shapes = [to_layout(x, case.layout).shape for x in (q, k, v)]
+        inputs = [sequence_dtensor(x, seq_dim, shape, mesh=pm) for x, shape in zip(leaves, shapes)]
+        mesh = usp_meshes[case.usp] if case.usp else None  # 1-D methods: the mesh comes from the DTensors
+    kwargs = {"method": case.method, "mesh": mesh, "layout": case.layout, "causal": case.causal,
+              "balance": case.balance, "key_padding_mask": None if pad is None else shard(pad, 1)}  # fmt: skip
+    fwd, counting = c10d_counter()
+    with CommDebugMode() as comm, counting:
+        out = cp_attention(*inputs, **kwargs)
+    result = {"comm_fwd": comm.get_total_counts(), "fwd": dict(fwd)}
+    if case.dtensor:
+        result.update(kind=type(out).__name__, placements=str(out.placements), global_shape=tuple(out.shape))
+        out = out.to_local()
+    bwd, counting = c10d_counter()
+    with CommDebugMode() as comm, counting:
+        out.backward(shard(to_layout(dout, case.layout), seq_dim))
+    result.update(comm_bwd=comm.get_total_counts(), bwd=dict(bwd), out=out.detach())
+    result["layout_ok"] = out.is_contiguous()
+    result.update(dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad, rank=rank, local_len=out.shape[seq_dim])
+    return result
+
+
+def run_world(cases):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+    splits = sorted({c.usp for c in cases if c.usp})
+    usp_meshes = {s: init_device_mesh("cpu", s, mesh_dim_names=USP) for s in splits}
+    return [run_case(case, pm, usp_meshes) for case in cases]
+
+
+@pytest.fixture(scope="session")
+def world_results():
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            per_rank = run_distributed(world, run_world, CASES[world])
+            cache[world] = {c.id: [per_rank[r][i] for r in range(world)] for i, c in enumerate(CASES[world])}
+        return cache[world]
+
+    return get
+
+
+# ---- the reference -------------------------------------------------------------------------------------
+def reference(case, dtype=torch.float64):
+    """Full-sequence SDPA in ``dtype``: (out, dq, dk, dv) in (B, H, S, D)."""
+    q, k, v, dout, pad = make_inputs(case)
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    mask = None
+    if case.causal or pad is not None:
+        mask = torch.ones(case.seq, case.seq, dtype=torch.bool)
+        mask = (mask.tril() if case.causal else mask)[None, None]
+        if pad is not None:
+            mask = mask & ~pad[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.backward(dout.to(dtype))
+    return [x.detach() for x in (out, q.grad, k.grad, v.grad)]
+
+
+def close(got, want, tol):
+    return torch.allclose(got.double(), want.double(), atol=tol, rtol=tol)
+
+
+def ring_p2p(lengths, index, tensors, steps, skip_last=True):
+    """(sends, receives) of one ring rank: ``tensors`` per non-empty block, for ``steps`` hops."""
+    n = len(lengths)
+    sends = sum(tensors for t in range(steps) if lengths[(index - t) % n])
+    recvs = sum(tensors for t in range(steps) if lengths[(index - t - 1) % n])
+    return sends, recvs
+
+
+def expected_counts(case, rank):
+    """c10d ops per rank for forward and backward, from the algorithm (not the implementation)."""
+    n = case.world
+    lengths = zigzag_sizes(case.seq, n) if case.balance else chunk_sizes(case.seq, n)
+    fwd, bwd = collections.Counter({"_allgather_base_": 1}), collections.Counter()  # 1: the agreement
+    if case.method == "allgather":
+        fwd["_allgather_base_"] += 1 + case.pad  # k and v in one buffer; the mask
+        bwd["_reduce_scatter_base_"] += 1
+        return fwd, bwd
+    ring, uly = {"ring": (n, 1), "ulysses": (1, n), "usp": case.usp}[case.method]
+    if uly > 1:
+        fwd["alltoall_base_"] += 4 + case.pad  # q, k, v (+ mask) in, out back
+        bwd["alltoall_base_"] += 4  # dout in; dq, dk, dv back
+    if ring > 1:
+        blocks = [sum(lengths[i * uly : (i + 1) * uly]) for i in range(ring)]
+        kv = 2 + case.pad
+        s, r = ring_p2p(blocks, rank // uly, kv, ring - 1)
+        fwd.update(send=s, recv_=r)
+        s2, r2 = ring_p2p(blocks, rank // uly, 2, ring)  # fp32 dK, dV: one more hop, to their owner
+        bwd.update(send=s + s2, recv_=r + r2)
+    return fwd, bwd
+
+
+# ---- correctness ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.id)
+def test_matches_single_process_sdpa(case, world_results):
+    ranks = world_results(case.world)[case.id]
+    seq_dim = 1 if case.layout == "bshd" else 2
+    tol = TOL[case.dtype]
+    expected_lengths = zigzag_sizes(case.seq, case.world) if case.balance else chunk_sizes(case.seq, case.world)
+    assert [r["local_len"] for r in ranks] == expected_lengths
+    for name, want in zip(("out", "dq", "dk", "dv"), reference(case)):
+        want = to_layout(want, case.layout)
+        for r in ranks:
+            got, expected = r[name], shard_of(want, seq_dim, case.world, r["rank"], case.balance)
+            assert got.dtype == getattr(torch, case.dtype) and got.shape == expected.shape
+            assert close(got, expected, tol), (name, r["rank"])
+    assert all(r["layout_ok"] for r in ranks)  # the output is contiguous in the caller's layout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_tolerance_is_meaningful(dtype):
+    """Single-process SDPA in ``dtype`` is within half the tolerance of the fp64 reference, while a result off
+    by one row (a causal off-by-one) would be far outside it: the tolerance is tight enough to catch bugs."""
+    case = Case(world=2, method="ring", seq=29, causal=True, dtype=dtype)
+    want = reference(case)
+    got = reference(case, getattr(torch, dtype))
+    errors = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
+    assert max(errors) < TOL[dtype] / 2
+    assert not close(want[0][:, :, 1:], want[0][:, :, :-1], TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.id)
+def test_collective_counts_are_pinned(case, world_results):
+    for r in world_results(case.world)[case.id]:
+        fwd, bwd = expected_counts(case, r["rank"])
+        assert collections.Counter(r["fwd"]) == fwd, r["rank"]
+        assert collections.Counter(r["bwd"]) == bwd, r["rank"]
+        # CommDebugMode sees the same collectives (it does not count send/recv)
+        assert r["comm_fwd"] == sum(v for k, v in fwd.items() if k not in ("send", "recv_"))
+        assert r["comm_bwd"] == sum(v for k, v in bwd.items() if k not in ("send", "recv_"))
+
+
+def test_counts_of_even_cp4_calls_by_name(world_results):
+    """The same counts spelled out for one even, non-causal call per method at cp 4 (rank 0)."""
+    results = world_results(4)
+    got = {c.method: results[c.id][0] for c in CASES[4] if c.seq == 16 and not c.causal and not c.dtensor}
+    assert got["ring"]["fwd"] == {"_allgather_base_": 1, "send": 6, "recv_": 6}  # 3 hops of k and v
+    assert got["ring"]["bwd"] == {"send": 6 + 8, "recv_": 6 + 8}  # 3 hops of k, v; 4 of dK, dV
+    assert got["ulysses"]["fwd"] == {"_allgather_base_": 1, "alltoall_base_": 4}
+    assert got["ulysses"]["bwd"] == {"alltoall_base_": 4}
+    assert got["usp"]["fwd"] == {"_allgather_base_": 1, "alltoall_base_": 4, "send": 2, "recv_": 2}
+    assert got["usp"]["bwd"] == {"alltoall_base_": 4, "send": 2 + 4, "recv_": 2 + 4}
+    assert got["allgather"]["fwd"] == {"_allgather_base_": 2}
+    assert got["allgather"]["bwd"] == {"_reduce_scatter_base_": 1}
+
+
+def test_dtensor_in_dtensor_out(world_results):
+    cases = [c for c in CASES[4] if c.dtensor]
+    assert {c.method for c in cases} == {"ring", "ulysses", "allgather", "usp"}
+    for case in cases:
+        seq_dim = 1 if case.layout == "bshd" else 2
+        shape = list(to_layout(make_inputs(case)[0], case.layout).shape)
+        for r in world_results(4)[case.id]:
+            assert r["kind"] == "DTensor"
+            assert r["placements"] == f"(Shard(dim={seq_dim}),)"
+            assert list(r["global_shape"]) == shape
+
+
+# ---- errors: raised on every rank, naming the values ---------------------------------------------------
+def misuse(pm, kind):
+    rank = pm.rank("cp")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 4, 8, generator=g) for _ in range(3))  # 4 tokens per rank
+    kwargs = {}
+    if kind == "method":
+        kwargs["method"] = "ulysses" if rank == 1 else "ring"
+    elif kind == "unknown_method":
+        kwargs["method"] = "flash"
+    elif kind == "causal":
+        kwargs["causal"] = rank == 2
+    elif kind == "lengths":
+        q, k, v = (x[:, :, :3] if rank == 0 else x for x in (q, k, v))
+    elif kind == "dtype":
+        q, k, v = (x.to(torch.bfloat16) if rank == 3 else x for x in (q, k, v))
+    elif kind == "heads":
+        q, k, v = (torch.randn(2, 6, 4, 8, generator=g) for _ in range(3))
+        kwargs["method"] = "ulysses"
+    elif kind == "mask":
+        kwargs["key_padding_mask"] = torch.zeros(2, 5 if rank == 1 else 4, dtype=torch.bool)
+    elif kind == "mask_presence":
+        kwargs["key_padding_mask"] = torch.zeros(2, 4, dtype=torch.bool) if rank == 0 else None
+    elif kind == "qkv":
+        k = k[:, :, :, :4] if rank == 2 else k
+        v = v[:, :, :, :4] if rank == 2 else v
+    elif kind == "usp_without_axes":
+        kwargs["method"] = "usp"
+    elif kind == "dtensor_mesh":
+        q, k, v = (sequence_dtensor(x, 2, (2, 4, 16, 8), mesh=pm) for x in (q, k, v))
+        kwargs["mesh"] = DeviceMesh("cpu", torch.tensor([3, 2, 1, 0]))  # the same ranks, another order
+    try:
+        cp_attention(q, k, v, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
+
+
+ERRORS = {
+    "method": (DisagreementError, ["ranks disagree on method", "rank 1: ulysses", "ranks [0, 2, 3]: ring"]),
+    "unknown_method": (ValueError, ["method='flash'", "'ring', 'ulysses', 'usp', 'allgather'"]),
+    "causal": (DisagreementError, ["ranks disagree on causal", "rank 2: True"]),
+    "lengths": (ShapeMismatchError, ["seq shards inconsistent with the mesh", "[3, 4, 4, 4]", "gives [4, 4, 4, 3]"]),
+    "dtype": (ShapeMismatchError, ["ranks disagree on dtype", "rank 3: torch.bfloat16"]),
+    "heads": (ValueError, ["6 query heads are not divisible by the Ulysses size 4"]),
+    "mask": (ValueError, ["rank 1", "key_padding_mask must be bool of shape (B, S_local) = (2, 4)", "(2, 5)"]),
+    "mask_presence": (DisagreementError, ["key_padding_mask presence", "rank 0: True"]),
+    "qkv": (ValueError, ["rank 2", "must agree on batch, sequence and head dim"]),
+    "usp_without_axes": (ValueError, ["'cp_ring' and 'cp_ulysses'"]),
+    "dtensor_mesh": (ValueError, ["ranks [0, 1, 2, 3]", "cp ranks [3, 2, 1, 0]"]),
+}
+
+
+def misuses(kinds):
+    """Every kind in one run: a call that raised on every rank before any data moved leaves nothing behind."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=4))
+    return [misuse(pm, kind) for kind in kinds]
+
+
+@pytest.fixture(scope="session")
+def misuse_results():
+    per_rank = run_distributed(4, misuses, sorted(ERRORS))
+    return {kind: [per_rank[r][i] for r in range(4)] for i, kind in enumerate(sorted(ERRORS))}
+
+
+@pytest.mark.parametrize("kind", sorted(ERRORS))
+def test_misuse_raises_on_every_rank(kind, misuse_results):
+    error, fragments = ERRORS[kind]
+    for rank, exc in enumerate(misuse_results[kind]):
+        assert isinstance(exc, error), (rank, exc)
+        for fragment in fragments:
+            assert fragment in str(exc), (rank, str(exc))
+
+
+# ---- zigzag ----------------------------------------------------------------------------------------------
+def zigzag_round_trips(shapes):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+    out = []
+    for shape, dim in shapes:
+        x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        local = zigzag_shard(x, dim, mesh=pm)
+        with CommDebugMode() as comm:
+            full = zigzag_gather(local, dim, mesh=pm, seq_len=shape[dim])
+        out.append((local, torch.equal(full, x), comm.get_total_counts()))
+    return out
+
+
+ZIGZAG_SHAPES = [((2, 16, 3), 1), ((2, 13, 3), 1), ((5, 2), 0), ((3, 2, 3), -2), ((2, 4, 29, 8), 2)]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_zigzag_shard_gather_round_trip(world):
+    results = run_distributed(world, zigzag_round_trips, ZIGZAG_SHAPES)
+    for i, (shape, dim) in enumerate(ZIGZAG_SHAPES):
+        x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        dim = dim % len(shape)
+        sizes = zigzag_sizes(shape[dim], world)
+        for rank, per in enumerate(results):
+            local, exact, collectives = per[i]
+            assert torch.equal(local, shard_of(x, dim, world, rank, "zigzag")) and local.shape[dim] == sizes[rank]
+            assert exact and collectives == 2  # the agreement + one all-gather
+
+
+def test_zigzag_sizes_balance_causal_work():
+    """Rank r holds chunks r and 2cp-1-r: causal work (keys before each query) is equal across ranks."""
+    world, seq = 4, 64
+    work = []
+    for rank in range(world):
+        positions = shard_of(torch.arange(seq), 0, world, rank, "zigzag")
+        work.append(int((positions + 1).sum()))
+    assert len(set(work)) == 1 and zigzag_sizes(seq, world) == [16] * 4
+    assert zigzag_sizes(13, 4) == [2, 3, 4, 4]  # chunks of 13 in 8: [2] * 6 + [1, 0]
+
+
+# ---- video tokens and the DiT block helper ---------------------------------------------------------------
+VIDEO = [("ring", None), ("ulysses", None), ("usp", (2, 2)), ("usp", "axes"), ("allgather", None)]
+
+
+def video_attentions(variants):
+    results = []
+    for method, usp in variants:
+        results.append(video_attention(method, usp))
+        wf_mesh.get_parallel_mesh().destroy()
+    return results
+
+
+def video_attention(method, usp):
+    if usp == "axes":  # the ParallelMesh's own cp_ring x cp_ulysses sub-axes
+        pm = mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size(), cp_ulysses=2))
+    else:
+        pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+        mesh = init_device_mesh("cpu", usp, mesh_dim_names=USP) if usp else pm
+    g = torch.Generator().manual_seed(1)
+    latent = torch.randn(2, 16, 2, 4, 3, generator=g).requires_grad_()  # (B, C, T, H, W)
+    split = wf_mesh.plan_video_split(latent.shape, cp_size=pm.size("cp"))
+    torch.manual_seed(2)
+    block = CPSelfAttention(16, heads=4, method=method, mesh=mesh)
+    tokens = split.shard(latent, mesh=pm)  # (B, T'*H'*W, C)
+    out = block(tokens)
+    out.square().sum().backward()  # each rank: the loss of its own tokens (their sum is the global loss)
+    grads = torch.cat([p.grad.flatten() for p in block.parameters()] + [latent.grad.flatten()])
+    dist.all_reduce(grads, group=pm.group("cp"))
+    return split.gather(out.detach(), mesh=pm), grads, (split.cp_t, split.cp_h)
+
+
+def video_reference():
+    g = torch.Generator().manual_seed(1)
+    latent = torch.randn(2, 16, 2, 4, 3, generator=g).requires_grad_()
+    split = wf_mesh.VideoSplit(t=2, h=4, w=3, cp_t=2, cp_h=2)
+    torch.manual_seed(2)
+    block = CPSelfAttention(16, heads=4)
+    tokens = split.to_sequence(latent)
+    b, s, c = tokens.shape
+    q, k, v = block.qkv(tokens).view(b, s, 3, 4, c // 4).unbind(2)
+    out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    out = block.proj(out.reshape(b, s, c))
+    out.square().sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in block.parameters()] + [latent.grad.flatten()])
+    return split.from_sequence(out.detach()), grads
+
+
+@pytest.fixture(scope="session")
+def video_results():
+    per_rank = run_distributed(4, video_attentions, VIDEO)
+    return {variant: [per_rank[r][i] for r in range(4)] for i, variant in enumerate(VIDEO)}
+
+
+@pytest.mark.parametrize("method, usp", VIDEO)
+def test_video_split_tokens_through_dit_attention(method, usp, video_results):
+    want_video, want_grads = video_reference()
+    for video, grads, grid in video_results[method, usp]:
+        assert grid == (2, 2)  # the split cuts both time and height: blocks are not contiguous in the latent
+        assert torch.allclose(video, want_video, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(grads, want_grads, atol=1e-4, rtol=1e-5)
+
+
+# ---- the local kernels -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_math_kernel_matches_fused_cpu_kernel(kv_heads):
+    """The fp32 math kernel (used off CPU) and the fused CPU kernel give the same (out, lse) and gradients,
+    including rows that see no key (lse -inf, out 0, zero gradients)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 9, 8, generator=g) for _ in range(2))
+    pad = torch.rand(2, 9, generator=g) < 0.3
+    pad[1] = True
+    qpos, kpos = torch.arange(10, 16), torch.arange(7, 16)
+    for p, causal, aligned in ((None, None, False), (pad, None, False), (pad, qpos[:, None] >= kpos, False),
+                               (None, qpos[:, None] >= kpos, False)):  # fmt: skip
+        fused = attention._attend(q, k, v, p, causal, aligned, 0.3, True)
+        math_ = attention._attend(q, k, v, p, causal, aligned, 0.3, False)
+        assert torch.equal(torch.isinf(fused[1]), torch.isinf(math_[1]))
+        assert torch.allclose(fused[0], math_[0], atol=1e-5) and torch.allclose(fused[1], math_[1], atol=1e-5)
+        if p is not None:  # batch 1: every key is padding
+            assert torch.isinf(fused[1][1]).all() and not fused[0][1].any()
+        out, lse, dout = fused[0], fused[1], torch.randn(q.shape, generator=g)
+        a = attention._attend_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, True)
+        b = attention._attend_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, False)
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+        assert all(x.shape == y.shape for x, y in zip(a, (q, k, v)))
