@@ -102,7 +102,8 @@ def dist_init(config: Any) -> ParallelMesh:
     The config (attributes or a dict) may provide, all optional: ``distributed_backend`` (``"nccl"``,
     ``"gloo"``, or None: nccl with CUDA, gloo without), ``distributed_timeout_minutes`` (default 30),
     ``tp_size``, ``cp_size``, ``pp_size`` (default 1), ``dp_size`` (absent, None or -1: inferred from the world
-    size) and ``order`` (default ``"tp-cp-pp-dp"``). Rank and world size come from ``RANK`` / ``WORLD_SIZE``
+    size), ``order`` (default ``"tp-cp-pp-dp"``) and ``cp_ulysses_size`` (default 1: the Ulysses part of cp
+    for USP attention). Rank and world size come from ``RANK`` / ``WORLD_SIZE``
     (``env://`` rendezvous through ``MASTER_ADDR`` / ``MASTER_PORT``); without them it runs as one process.
     With NCCL it binds ``cuda:LOCAL_RANK`` first.
 
@@ -118,7 +119,7 @@ def dist_init(config: Any) -> ParallelMesh:
     order = _read(config, "order", "tp-cp-pp-dp")
     wanted = ParallelDims(
         tp=_degree(config, "tp_size"), cp=_degree(config, "cp_size"), pp=_degree(config, "pp_size"), dp=_dp(config),
-        order=order,
+        order=order, cp_ulysses=_degree(config, "cp_ulysses_size"),
     )  # fmt: skip
     if dist.is_initialized():
         rank, world_size, init_method = dist.get_rank(), dist.get_world_size(), None
