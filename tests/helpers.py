@@ -40,3 +40,8 @@ class Opaque:
 
     def __eq__(self, other):
         return isinstance(other, Opaque) and other.value == self.value
+
+
+def exec_block(source: str, name: str = "<README block>") -> None:
+    """Run a README code block as a script (its asserts check what its comments claim)."""
+    exec(compile(source, name, "exec"), {"__name__": "__main__"})

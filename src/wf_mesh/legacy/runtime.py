@@ -102,8 +102,8 @@ def dist_init(config: Any) -> ParallelMesh:
     The config (attributes or a dict) may provide, all optional: ``distributed_backend`` (``"nccl"``,
     ``"gloo"``, or None: nccl with CUDA, gloo without), ``distributed_timeout_minutes`` (default 30),
     ``tp_size``, ``cp_size``, ``pp_size`` (default 1), ``dp_size`` (absent, None or -1: inferred from the world
-    size), ``order`` (default ``"tp-cp-pp-dp"``) and ``cp_ulysses_size`` (default 1: the Ulysses part of cp
-    for USP attention). Rank and world size come from ``RANK`` / ``WORLD_SIZE``
+    size), ``order`` (default ``"tp-cp-pp-dp"``), ``cp_ulysses_size`` (default 1: the Ulysses part of cp
+    for USP attention) and ``dp_replicate`` (default none: also build the HSDP view with that many replicas). Rank and world size come from ``RANK`` / ``WORLD_SIZE``
     (``env://`` rendezvous through ``MASTER_ADDR`` / ``MASTER_PORT``); without them it runs as one process.
     With NCCL it binds ``cuda:LOCAL_RANK`` first.
 
@@ -135,9 +135,10 @@ def dist_init(config: Any) -> ParallelMesh:
             backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
             device_id=device,
         )  # fmt: skip
+    dp_replicate = _read(config, "dp_replicate", None)
     mesh = parallel_mesh_or_none()
     if mesh is None:
-        init_parallel(wanted, timeout=timeout)
+        init_parallel(wanted, timeout=timeout, dp_replicate=dp_replicate)
     elif mesh.dims != wanted:
         raise RuntimeError(
             f"dist_init: a different mesh is already initialized ({mesh.dims}); asked for {wanted}; "
