@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 import wf_mesh
-from wf_mesh import _compat, attention
+from wf_mesh import _compat, attention_ops
 from wf_mesh.attention import (
     CPSelfAttention,
     cp_attention,
@@ -41,7 +41,8 @@ from wf_mesh.attention import (
     zigzag_shard,
     zigzag_sizes,
 )
-from wf_mesh.context_parallel import chunk_sizes, sequence_dtensor
+from wf_mesh.context_parallel import sequence_dtensor
+from wf_mesh.sizing import chunk_sizes
 from wf_mesh.errors import DisagreementError, ShapeMismatchError
 from wf_mesh.testing import run_distributed
 
@@ -508,14 +509,14 @@ def test_math_kernel_matches_fused_cpu_kernel(kv_heads):
     qpos, kpos = torch.arange(10, 16), torch.arange(7, 16)
     for p, causal, aligned in ((None, None, False), (pad, None, False), (pad, qpos[:, None] >= kpos, False),
                                (None, qpos[:, None] >= kpos, False)):  # fmt: skip
-        fused = attention._attend(q, k, v, p, causal, aligned, 0.3, True)
-        math_ = attention._attend(q, k, v, p, causal, aligned, 0.3, False)
+        fused = attention_ops.attend_block(q, k, v, p, causal, aligned, 0.3, True)
+        math_ = attention_ops.attend_block(q, k, v, p, causal, aligned, 0.3, False)
         assert torch.equal(torch.isinf(fused[1]), torch.isinf(math_[1]))
         assert torch.allclose(fused[0], math_[0], atol=1e-5) and torch.allclose(fused[1], math_[1], atol=1e-5)
         if p is not None:  # batch 1: every key is padding
             assert torch.isinf(fused[1][1]).all() and not fused[0][1].any()
         out, lse, dout = fused[0], fused[1], torch.randn(q.shape, generator=g)
-        a = attention._attend_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, True)
-        b = attention._attend_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, False)
+        a = attention_ops.attend_block_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, True)
+        b = attention_ops.attend_block_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, False)
         assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
         assert all(x.shape == y.shape for x, y in zip(a, (q, k, v)))

@@ -58,10 +58,8 @@ rank receives exactly the K/V heads its query heads use), which costs K/V traffi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,14 +69,21 @@ from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat
 from wf_mesh.agreement import DTYPES, agree, dtype_code, float_bits
-from wf_mesh.context_parallel import (
-    chunk_sizes,
-    cp_mesh,
-    normalize_dim,
-    sequence_dtensor,
+from wf_mesh.attention_ops import (
+    GatherKV,
+    HeadsToSeq,
+    RingAttention,
+    RingPlan,
+    SeqToHeads,
+    concat_segments,
+    gather_mask,
+    gather_mask_padded,
+    rank_segments,
 )
+from wf_mesh.context_parallel import cp_mesh, normalize_dim, sequence_dtensor
 from wf_mesh.errors import DisagreementError, ShapeMismatchError
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
+from wf_mesh.sizing import chunk_sizes
 
 __all__ = ["CPSelfAttention", "cp_attention", "zigzag_gather", "zigzag_shard", "zigzag_sizes"]
 
@@ -96,363 +101,6 @@ def zigzag_sizes(length: int, parts: int) -> list[int]:
     """Local lengths of the zigzag layout: rank r holds chunks r and ``2*parts-1-r`` of ``2*parts``."""
     sizes = chunk_sizes(length, 2 * parts)
     return [sizes[r] + sizes[2 * parts - 1 - r] for r in range(parts)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Seg:
-    """Rows ``[offset, offset+length)`` of a local block hold global positions ``[start, start+length)``."""
-
-    offset: int
-    start: int
-    length: int
-
-
-def _rank_segments(length: int, parts: int, balance: str | None) -> list[list[_Seg]]:
-    """Each cp rank's segments (offsets within its own shard)."""
-    if balance is None:
-        sizes = chunk_sizes(length, parts)
-        return [[_Seg(0, sum(sizes[:r]), sizes[r])] for r in range(parts)]
-    sizes = chunk_sizes(length, 2 * parts)
-    starts = [sum(sizes[:i]) for i in range(2 * parts)]
-    out = []
-    for r in range(parts):
-        a, b = r, 2 * parts - 1 - r
-        out.append([_Seg(0, starts[a], sizes[a]), _Seg(sizes[a], starts[b], sizes[b])])
-    return out
-
-
-def _concat(blocks: Sequence[list[_Seg]], offsets: Sequence[int], positional: bool) -> list[_Seg]:
-    """Segments of blocks stored at ``offsets`` of one tensor, empty ones dropped, neighbours in storage
-    coalesced (if ``positional``, only when their positions continue too)."""
-    out: list[_Seg] = []
-    for segs, base in zip(blocks, offsets):
-        for s in segs:
-            if not s.length:
-                continue
-            last = out[-1] if out else None
-            if (
-                last is not None
-                and last.offset + last.length == base + s.offset
-                and (not positional or last.start + last.length == s.start)
-            ):
-                out[-1] = _Seg(last.offset, last.start, last.length + s.length)
-            else:
-                out.append(_Seg(base + s.offset, s.start, s.length))
-    return out
-
-
-# ---- local attention on one (query rows, key block) pair -------------------------------------------------
-def _allowed(pad: torch.Tensor | None, causal: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean ``(B|1, 1, Sq|1, Sk)`` of the keys each query may see (None: all of them)."""
-    allowed = None if pad is None else ~pad[:, None, None, :]
-    if causal is not None:
-        allowed = causal if allowed is None else allowed & causal
-    return allowed
-
-
-def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _attend(q, k, v, pad, causal, aligned, scale, fused):
-    """``(out, lse)`` of q against one key block; lse is fp32 and -inf for rows that see no key.
-
-    ``causal``: bool ``(Sq, Sk)`` of allowed pairs or None; ``aligned``: it is the plain lower triangle.
-    """
-    if fused and pad is None and (causal is None or aligned):  # the kernel's causal mode skips masked tiles
-        return _compat.flash_attention_cpu(q, k, v, None, causal is not None, scale)
-    allowed = _allowed(pad, causal)
-    if fused:
-        out, lse = _compat.flash_attention_cpu(q, k, v, _bias(allowed, q.dtype), False, scale)
-        return out, lse.masked_fill(~allowed.any(-1), -math.inf)  # the kernel reports 0 for such rows
-    s = torch.matmul(q.float(), _expand_heads(k, q.shape[1]).float().transpose(-1, -2)) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0)[..., None])
-    return torch.matmul(p, _expand_heads(v, q.shape[1]).float()), lse
-
-
-def _attend_backward(dout, q, k, v, out, lse, pad, causal, aligned, scale, fused):
-    """``(dq, dk, dv)`` of one pair given the merged ``out`` and ``lse`` of the whole key range: with them
-    the block's probabilities are its exact share of the full softmax."""
-    lse = lse.masked_fill(lse == -math.inf, 0)  # rows that see no key anywhere: every score is -inf, p = 0
-    if fused and pad is None and (causal is None or aligned):
-        return _compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, None, causal is not None, scale)
-    allowed = _allowed(pad, causal)
-    if fused:
-        return _compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, _bias(allowed, q.dtype), False, scale)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    qf, kf, vf, do = q.float(), _expand_heads(k, heads).float(), _expand_heads(v, heads).float(), dout.float()
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    p = torch.exp(s - lse[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - (do * out.float()).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, kf) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-    if kv_heads != heads:
-        b, _, n, d = dk.shape
-        dk = dk.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
-        dv = dv.view(b, kv_heads, heads // kv_heads, n, dv.shape[-1]).sum(2)
-    return dq, dk, dv
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """Fold a partial result ``(o, l)`` into the running fp32 ``(out, lse)`` in place (online softmax)."""
-    new = torch.logaddexp(lse, l)
-    safe = new.masked_fill(new == -math.inf, 0)  # rows with no key so far keep out = 0
-    out.mul_(torch.exp(lse - safe)[..., None]).add_(o.float() * torch.exp(l - safe)[..., None])
-    lse.copy_(new)
-
-
-# ---- the ring core (also the local attention of ulysses and allgather: a ring of one) -------------------
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Where every K/V block lives and which global positions its rows and this rank's queries hold."""
-
-    group: dist.ProcessGroup | None  # the ring's group; None: one block, no communication
-    index: int  # this rank's place in the ring (the block its queries belong to)
-    q_segments: list[_Seg]
-    kv_segments: list[list[_Seg]]  # per ring rank
-    kv_lengths: list[int]
-    causal: bool
-    scale: float
-    fused: bool
-
-    @property
-    def size(self) -> int:
-        return len(self.kv_lengths)
-
-    def pairs(self, j: int, device: torch.device):
-        """``(query rows, key rows, causal mask or None, aligned)`` for the query segments against block j,
-        leaving out pairs where every key follows every query."""
-        if not self.causal:
-            for ks in self.kv_segments[j]:
-                yield slice(None), slice(ks.offset, ks.offset + ks.length), None, False
-            return
-        for qs in self.q_segments:
-            for ks in self.kv_segments[j]:
-                if ks.start >= qs.start + qs.length:
-                    continue
-                rows, cols = slice(qs.offset, qs.offset + qs.length), slice(ks.offset, ks.offset + ks.length)
-                if ks.start + ks.length <= qs.start + 1:
-                    yield rows, cols, None, False
-                    continue
-                qpos = torch.arange(qs.start, qs.start + qs.length, device=device)
-                kpos = torch.arange(ks.start, ks.start + ks.length, device=device)
-                yield rows, cols, qpos[:, None] >= kpos[None, :], qs.start == ks.start and qs.length == ks.length
-
-
-def _empty_block(like: torch.Tensor, length: int) -> torch.Tensor:
-    """Uninitialized ``like`` with a sequence of ``length`` (dim 2 of ``(B, H, S, D)``, dim 1 of a ``(B, S)``
-    mask), in ``like``'s memory layout (dims ordered by stride), so that both ends send the same bytes."""
-    seq = 2 if like.ndim == 4 else 1
-    order = sorted(range(like.ndim), key=lambda d: like.stride(d), reverse=True)
-    shape = [length if d == seq else like.shape[d] for d in order]
-    buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-    return buf.permute([order.index(d) for d in range(like.ndim)])
-
-
-def _wire(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the contiguous tensor its memory is (a permuted view), for sending."""
-    order = sorted(range(x.ndim), key=lambda d: x.stride(d), reverse=True)
-    return x.permute(order).contiguous()
-
-
-class _Hop:
-    """One ring hop in flight: ``send`` to the next ring rank, ``recv`` filled from the previous one.
-
-    Empty tensors travel nowhere (the peer sizes its buffer from the same agreed lengths). The sent
-    tensors are referenced until :meth:`wait`, and nothing afterwards, so a block lives no longer than needed.
-    """
-
-    def __init__(self, plan: _Plan, send: Sequence[torch.Tensor | None], j: int) -> None:
-        group = plan.group
-        n, i = group.size(), group.rank()
-        self.recv = tuple(None if t is None else _empty_block(t, plan.kv_lengths[j]) for t in send)
-        ops = [
-            dist.P2POp(op, _wire(t), group=group, group_peer=peer)
-            for op, peer, tensors in ((dist.isend, (i + 1) % n, send), (dist.irecv, (i - 1) % n, self.recv))
-            for t in tensors
-            if t is not None and t.numel()
-        ]
-        self.requests = dist.batch_isend_irecv(ops) if ops else []
-        self.ops = ops
-
-    def wait(self) -> tuple[torch.Tensor | None, ...]:
-        for request in self.requests:
-            request.wait()
-        recv = self.recv
-        self.requests, self.ops, self.recv = [], [], ()
-        return recv
-
-
-def _forward_block(q, block, j, plan: _Plan, out, lse) -> None:
-    """Fold q's attention to ring block j into ``(out, lse)`` (a function, so that no local outlives it)."""
-    bk, bv, bpad = block
-    for rows, cols, causal, aligned in plan.pairs(j, q.device):
-        qq, kk = q[:, :, rows], bk[:, :, cols]
-        if qq.shape[2] and kk.shape[2]:
-            p = None if bpad is None else bpad[:, cols]
-            o, l = _attend(qq, kk, bv[:, :, cols], p, causal, aligned, plan.scale, plan.fused)
-            _merge(out[:, :, rows], lse[:, :, rows], o, l)
-
-
-def _backward_block(dout, q, out, lse, block, j, plan: _Plan, dq, dk, dv) -> None:
-    """Add ring block j's share of the gradients to ``dq`` and block j's ``dk``, ``dv`` (fp32)."""
-    bk, bv, bpad = block
-    for rows, cols, causal, aligned in plan.pairs(j, q.device):
-        qq, kk = q[:, :, rows], bk[:, :, cols]
-        if qq.shape[2] and kk.shape[2]:
-            p = None if bpad is None else bpad[:, cols]
-            g = _attend_backward(
-                dout[:, :, rows], qq, kk, bv[:, :, cols], out[:, :, rows], lse[:, :, rows], p, causal, aligned,
-                plan.scale, plan.fused,
-            )  # fmt: skip
-            dq[:, :, rows] += g[0]
-            dk[:, :, cols] += g[1]
-            dv[:, :, cols] += g[2]
-
-
-class _RingAttention(torch.autograd.Function):
-    """Blockwise attention of q against every ring rank's k, v block; backward without recomputing the
-    forward (it keeps out and lse), dK/dV travelling the ring back to their owners."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, pad, plan: _Plan):
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        block = (k, v, pad)
-        for t in range(plan.size):
-            j = (plan.index - t) % plan.size
-            # the next block travels while this one is computed
-            hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-            _forward_block(q, block, j, plan, out, lse)
-            if hop is not None:
-                block = hop.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pad, ctx.plan = pad, plan
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan: _Plan = ctx.plan
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        block, dkv_hop = (k, v, ctx.pad), None
-        for t in range(plan.size):
-            j = (plan.index - t) % plan.size
-            kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-            dk = torch.zeros_like(block[0], dtype=torch.float32)
-            dv = torch.zeros_like(block[1], dtype=torch.float32)
-            _backward_block(dout, q, out, lse, block, j, plan, dq, dk, dv)
-            if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
-                got_dk, got_dv = dkv_hop.wait()
-                dk += got_dk
-                dv += got_dv
-                del got_dk, got_dv
-            if plan.size > 1:  # to the next rank; after the last step that is block j's owner
-                dkv_hop = _Hop(plan, (dk, dv), (j - 1) % plan.size)
-            if kv_hop is not None:
-                block = kv_hop.wait()
-        if dkv_hop is not None:
-            dk, dv = dkv_hop.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
-# ---- Ulysses all-to-all --------------------------------------------------------------------------------
-def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int]) -> torch.Tensor:
-    """``(B, H, S_r, D)`` sequence shard -> ``(B, H/U, sum(lengths), D)`` head shard (a view of
-    ``(S, B, H/U, D)`` memory): one all-to-all."""
-    b, h, s, d = x.shape
-    u = len(lengths)
-    send = x.reshape(b, u, h // u, s, d).permute(1, 3, 0, 2, 4).contiguous()
-    recv = x.new_empty(sum(lengths), b, h // u, d)
-    dist.all_to_all_single(recv, send.view(u * s, b, h // u, d), lengths, [s] * u, group=group)
-    return recv.permute(1, 2, 0, 3)
-
-
-def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], seq_major: bool) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_heads`; the result is stored ``(B, S, H, D)`` if ``seq_major`` else
-    ``(B, H, S, D)`` and returned as a ``(B, H, S, D)`` view."""
-    b, hu, _, d = y.shape
-    u, s = len(lengths), lengths[group.rank()]
-    recv = y.new_empty(u * s, b, hu, d)
-    dist.all_to_all_single(recv, y.permute(2, 0, 1, 3).contiguous(), [s] * u, lengths, group=group)
-    recv = recv.view(u, s, b, hu, d)
-    if seq_major:
-        return recv.permute(2, 1, 0, 3, 4).reshape(b, s, u * hu, d).contiguous().transpose(1, 2)
-    return recv.permute(2, 0, 3, 1, 4).reshape(b, u * hu, s, d).contiguous()
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, lengths):
-        ctx.group, ctx.lengths, ctx.seq_major = group, lengths, x.stride(1) < x.stride(2)
-        return _seq_to_heads(x, group, lengths)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, ctx.lengths, ctx.seq_major), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, lengths, seq_major):
-        ctx.group, ctx.lengths = group, lengths
-        return _heads_to_seq(y, group, lengths, seq_major)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group, ctx.lengths), None, None, None
-
-
-def _gather_pad(pad: torch.Tensor, group: dist.ProcessGroup, lengths: list[int]) -> torch.Tensor:
-    """Every rank's ``(B, S_r)`` mask concatenated along the sequence: one all-to-all (exact uneven sizes)."""
-    u = len(lengths)
-    recv = pad.new_empty(sum(lengths), pad.shape[0])
-    dist.all_to_all_single(recv, pad.t().repeat(u, 1), lengths, [pad.shape[1]] * u, group=group)
-    return recv.t()
-
-
-# ---- all-gather (the baseline) ---------------------------------------------------------------------------
-class _GatherKV(torch.autograd.Function):
-    """k, v shards -> every rank's, each padded to the longest shard: one all-gather; backward one
-    reduce-scatter. Outputs are ``(B, Hkv, n * longest, D)`` views of one ``(S, 2, B, Hkv, D)`` buffer."""
-
-    @staticmethod
-    def forward(ctx, k, v, group, longest):
-        b, h, s, d = k.shape
-        send = k.new_zeros(longest, 2, b, h, d)
-        send[:s, 0] = k.permute(2, 0, 1, 3)
-        send[:s, 1] = v.permute(2, 0, 1, 3)
-        recv = k.new_empty(group.size() * longest, 2, b, h, d)
-        dist.all_gather_single(recv, send, group=group)
-        ctx.group, ctx.local = group, s
-        return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3)
-
-    @staticmethod
-    def backward(ctx, dk, dv):
-        grads = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1)
-        recv = grads.new_empty(grads.shape[0] // ctx.group.size(), *grads.shape[1:])
-        dist.reduce_scatter_single(recv, grads, group=ctx.group)
-        recv = recv[: ctx.local]
-        return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3), None, None
-
-
-def _gather_pad_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int) -> torch.Tensor:
-    send = pad.new_ones(longest, pad.shape[0])
-    send[: pad.shape[1]] = pad.t()
-    recv = pad.new_empty(group.size() * longest, pad.shape[0])
-    dist.all_gather_single(recv, send, group=group)
-    return recv.t()
 
 
 # ---- meshes --------------------------------------------------------------------------------------------
@@ -658,16 +306,16 @@ def _unwrap(q, k, v, pad, seq_dim, balance, mesh, group_mesh):
 def _run(q, k, v, pad, method, cp, axes, lengths, causal, balance, scale, seq_major):
     """The computation on ``(B, H, S_r, D)`` views, after the agreement."""
     n, me, total = len(lengths), cp.get_local_rank(), sum(lengths)
-    segments = _rank_segments(total, n, balance)
+    segments = rank_segments(total, n, balance)
     fused = q.device.type == "cpu"
     if method == "allgather":
         longest = max(lengths)
-        k, v = _GatherKV.apply(k, v, cp.get_group(), longest)
+        k, v = GatherKV.apply(k, v, cp.get_group(), longest)
         if pad is not None:
-            pad = _gather_pad_padded(pad, cp.get_group(), longest)
-        kv_segments = _concat(segments, [c * longest for c in range(n)], causal)
-        plan = _Plan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, fused)
-        return _RingAttention.apply(q, k, v, pad, plan)
+            pad = gather_mask_padded(pad, cp.get_group(), longest)
+        kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
+        plan = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, fused)
+        return RingAttention.apply(q, k, v, pad, plan)
     if method == "ring":
         ring, uly = cp, None
     elif method == "ulysses":
@@ -679,7 +327,7 @@ def _run(q, k, v, pad, method, cp, axes, lengths, causal, balance, scale, seq_ma
     ring_size = n // u
     ring_lengths = [sum(lengths[i * u : (i + 1) * u]) for i in range(ring_size)]
     ring_segments = [
-        _concat(segments[i * u : (i + 1) * u], [sum(lengths[i * u : i * u + x]) for x in range(u)], causal)
+        concat_segments(segments[i * u : (i + 1) * u], [sum(lengths[i * u : i * u + x]) for x in range(u)], causal)
         for i in range(ring_size)
     ]
     if u > 1:
@@ -688,14 +336,14 @@ def _run(q, k, v, pad, method, cp, axes, lengths, causal, balance, scale, seq_ma
         hkv = k.shape[1]
         if hkv % u:
             k, v = (x.repeat_interleave(u // math.gcd(hkv, u), dim=1) for x in (k, v))
-        q, k, v = (_SeqToHeads.apply(x, ugroup, mine) for x in (q, k, v))
+        q, k, v = (SeqToHeads.apply(x, ugroup, mine) for x in (q, k, v))
         if pad is not None:
-            pad = _gather_pad(pad, ugroup, mine)
+            pad = gather_mask(pad, ugroup, mine)
     group = ring.get_group() if ring is not None and ring_size > 1 else None
-    plan = _Plan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, fused)
-    out = _RingAttention.apply(q, k, v, pad, plan)
+    plan = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, fused)
+    out = RingAttention.apply(q, k, v, pad, plan)
     if u > 1:
-        out = _HeadsToSeq.apply(out, ugroup, mine, seq_major)
+        out = HeadsToSeq.apply(out, ugroup, mine, seq_major)
     return out
 
 
