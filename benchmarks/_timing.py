@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["compare", "timed_dist", "timed_local"]
+__all__ = ["compare", "compare_trials", "timed_dist", "timed_local"]
 
 
 def timed_local(fn: Callable[[], object], iters: int) -> float:
@@ -28,12 +28,20 @@ def timed_dist(fn: Callable[[], object], iters: int) -> float:
     return elapsed.item()
 
 
-def compare(paths: dict[str, Callable[[], object]], iters: int, trials: int, timed=timed_local) -> dict[str, float]:
-    """Median seconds per call of each path, trials interleaved so that machine noise hits all paths alike."""
+def compare_trials(
+    paths: dict[str, Callable[[], object]], iters: int, trials: int, timed=timed_local
+) -> dict[str, list[float]]:
+    """Seconds per call of each path in every trial, trials interleaved so that machine noise hits all paths
+    alike (trial ``i`` of two paths can be divided: ``_report.per_trial``)."""
     for fn in paths.values():  # warm-up
         fn()
     samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(trials):
         for name, fn in paths.items():
             samples[name].append(timed(fn, iters))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def compare(paths: dict[str, Callable[[], object]], iters: int, trials: int, timed=timed_local) -> dict[str, float]:
+    """Median seconds per call of each path (:func:`compare_trials`, reduced)."""
+    return {name: statistics.median(s) for name, s in compare_trials(paths, iters, trials, timed).items()}

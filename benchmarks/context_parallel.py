@@ -11,6 +11,8 @@ Measures, in one run on local gloo processes (CPU):
 3. ``broadcast_split_tensor`` (a scatter: each receiver gets its shard) vs broadcast-then-split: bytes each
    receiver gets and time.
 Each timing is the median over interleaved trials of the slowest rank. Ratios > 1 mean wf_mesh is slower.
+Ratio rows (benchmarks/_report.py): per-trial ratios, their median and spread; targets: gather DTensor / raw
+<= 1.10, broadcast_split bytes per receiver = 1/cp of a broadcast.
 
     python benchmarks/context_parallel.py [--quick] [--json out.json]
 """
@@ -18,23 +20,32 @@ Each timing is the median over interleaved trials of the slowest rank. Ratios > 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
+from _report import (  # benchmarks/ is on sys.path
+    at_most,
+    equals,
+    format_rows,
+    per_trial,
+    ratio_row,
+    write_json,
+)
+from _timing import compare_trials, timed_dist
 
 import wf_mesh
-from _timing import compare, timed_dist  # benchmarks/ is on sys.path when a script runs
 from wf_mesh.testing import LocalCluster
+from wf_mesh.viz import format_table
 
 
-def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, float]:
+def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, list[float]]:
     wf_mesh.initialize_model_parallel(cp_size=dist.get_world_size())
     mesh = wf_mesh.get_parallel_mesh()
     cp, group = mesh.size("cp"), mesh.group("cp")
     full = torch.randn(shape, generator=torch.Generator().manual_seed(0))  # the same on every rank
-    dt = wf_mesh.shard_sequence(full, 1)
+    dt = wf_mesh.shard_sequence(full, 1, as_dtensor=True)
     local = dt.to_local()
     out = torch.empty((cp * local.shape[0], *local.shape[1:]))
 
@@ -48,7 +59,7 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, f
         return torch.cat(out.chunk(cp, 0), dim=1)
 
     assert torch.equal(raw(), full) and torch.equal(wf_mesh.gather_sequence(dt), full)
-    return compare(
+    return compare_trials(
         {
             "raw": raw,
             "raw_reused": raw_reused,
@@ -61,7 +72,7 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, f
     )
 
 
-def broadcast_split_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, float]:
+def broadcast_split_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict:
     wf_mesh.initialize_model_parallel(cp_size=dist.get_world_size())
     group = wf_mesh.parallel_state.get_cp_group()
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -78,54 +89,84 @@ def broadcast_split_paths(shape: tuple[int, ...], iters: int, trials: int) -> di
     shard = scatter()
     assert torch.equal(broadcast_then_split(), shard)
     paths = {"broadcast_then_split": broadcast_then_split, "broadcast_split_tensor": scatter}
-    times = compare(paths, iters, trials, timed_dist)
+    times = compare_trials(paths, iters, trials, timed_dist)
     # bytes one receiver gets: its shard (scatter) vs the whole tensor (broadcast-then-split)
     return {**times, "bytes_per_receiver": shard.nbytes, "broadcast_bytes_per_receiver": buffer.nbytes}
+
+
+def med(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def ratio_rows(results: dict, quick: bool) -> list[dict]:
+    rows = []
+
+    def row(measurement, ratios, target=None):
+        rows.append(ratio_row("context_parallel", measurement, ratios, target, quick=quick))
+
+    for cp, g in results["gather"].items():
+        row(f"gather cp {cp}: wf_mesh DTensor / raw all-gather", per_trial(g["wf_mesh"], g["raw"]), at_most(1.10))
+        row(f"gather cp {cp}: legacy cat_outputs_cp / raw", per_trial(g["legacy"], g["raw"]))
+        row(f"gather cp {cp}: wf_mesh / raw reusing its gather buffer", per_trial(g["wf_mesh"], g["raw_reused"]))
+    for cp, s in results["small"].items():
+        overhead = (med(s["wf_mesh"]) - med(s["raw"])) * 1e6
+        row(f"small gather cp {cp}: wf_mesh / raw ({overhead:+.0f} us/call)", per_trial(s["wf_mesh"], s["raw"]))
+    for cp, b in results["broadcast_split"].items():
+        share = b["bytes_per_receiver"] / b["broadcast_bytes_per_receiver"]
+        row(f"broadcast_split cp {cp}: bytes per receiver / broadcast", share, equals(1 / cp, f"= 1/{cp}"))
+        row(f"broadcast_split cp {cp}: time scatter / broadcast-then-split",
+            per_trial(b["broadcast_split_tensor"], b["broadcast_then_split"]))  # fmt: skip
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="also write the ratio rows and results here")
     args = parser.parse_args()
     big = (2, 512, 128) if args.quick else (2, 4096, 1024)
     iters, trials = (2, 2) if args.quick else (5, 5)
-    small_iters = 20 if args.quick else 200
-    results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "big_shape": big, "gather": {}, "small": {}}
-    print(f"# wf_mesh context-parallel benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, gloo")
-    print(f"\n## gather {big} fp32 along dim 1 ({'quick' if args.quick else 'full'})")
-    print(f"{'cp':>3} {'raw ms':>9} {'wf_mesh ms':>11} {'ratio':>6} {'legacy ms':>10} {'ratio':>6} "
-          f"{'raw reused ms':>14} {'wf_mesh/reused':>15}")  # fmt: skip
-    small = {}
+    small_iters = 10 if args.quick else 200
+    results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "big_shape": big, "gather": {}, "small": {},
+                     "broadcast_split": {}}  # fmt: skip
     for cp in (2, 4):
         cluster = LocalCluster(cp).start()
         try:
-            r = cluster.run(gather_paths, big, iters, trials)[0]
-            small[cp] = cluster.run(gather_paths, (2, 8, 16), small_iters, trials)[0]
-            split = cluster.run(broadcast_split_paths, big, iters, trials)[0]
+            results["gather"][cp] = cluster.run(gather_paths, big, iters, trials)[0]
+            results["small"][cp] = cluster.run(gather_paths, (2, 8, 16), small_iters, trials)[0]
+            results["broadcast_split"][cp] = cluster.run(broadcast_split_paths, big, iters, trials)[0]
         finally:
             cluster.shutdown()
-        results["gather"][cp] = r
-        results["small"][cp] = small[cp]
-        results.setdefault("broadcast_split", {})[cp] = split
-        print(f"{cp:>3} {r['raw'] * 1e3:>9.2f} {r['wf_mesh'] * 1e3:>11.2f} {r['wf_mesh'] / r['raw']:>6.2f} "
-              f"{r['legacy'] * 1e3:>10.2f} {r['legacy'] / r['raw']:>6.2f} {r['raw_reused'] * 1e3:>14.2f} "
-              f"{r['wf_mesh'] / r['raw_reused']:>15.2f}")  # fmt: skip
+
+    print(f"# wf_mesh context-parallel benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, gloo")
+    print(f"\n## gather {big} fp32 along dim 1 ({'quick' if args.quick else 'full'}; ms, median of {trials} trials)")
+    table = []
+    for cp, r in results["gather"].items():
+        raw, wf, legacy, reused = (med(r[k]) for k in ("raw", "wf_mesh", "legacy", "raw_reused"))
+        table.append([cp, f"{raw * 1e3:.2f}", f"{wf * 1e3:.2f}", f"{wf / raw:.2f}", f"{legacy * 1e3:.2f}",
+                      f"{legacy / raw:.2f}", f"{reused * 1e3:.2f}", f"{wf / reused:.2f}"])  # fmt: skip
+    head = ["cp", "raw ms", "wf_mesh ms", "ratio", "legacy ms", "ratio", "raw reused ms", "wf_mesh/reused"]
+    print(format_table(head, table, align="r" * len(head)))
     print("\n## per-call cost on a small (2, 8, 16) tensor (us per call; overhead = wf_mesh - raw)")
-    print(f"{'cp':>3} {'raw':>8} {'wf_mesh':>8} {'overhead':>9} {'legacy':>8} {'overhead':>9}")
-    for cp, r in small.items():
-        print(f"{cp:>3} {r['raw'] * 1e6:>8.0f} {r['wf_mesh'] * 1e6:>8.0f} {(r['wf_mesh'] - r['raw']) * 1e6:>9.0f} "
-              f"{r['legacy'] * 1e6:>8.0f} {(r['legacy'] - r['raw']) * 1e6:>9.0f}")  # fmt: skip
+    table = []
+    for cp, r in results["small"].items():
+        raw, wf, legacy = (med(r[k]) * 1e6 for k in ("raw", "wf_mesh", "legacy"))
+        table.append([cp, f"{raw:.0f}", f"{wf:.0f}", f"{wf - raw:.0f}", f"{legacy:.0f}", f"{legacy - raw:.0f}"])
+    print(format_table(["cp", "raw", "wf_mesh", "overhead", "legacy", "overhead"], table, align="rrrrrr"))
     full_bytes = torch.Size(big).numel() * 4
     print(f"\n## broadcast_split_tensor (scatter) vs broadcast-then-split of {big} fp32")
-    print(f"{'cp':>3} {'bytes/receiver':>15} {'vs broadcast':>13} {'bcast+split ms':>15} {'scatter ms':>11} {'ratio':>6}")
+    table = []
     for cp, r in results["broadcast_split"].items():
-        print(f"{cp:>3} {full_bytes // cp:>15,} {f'1/{cp} of {full_bytes:,}':>13} "
-              f"{r['broadcast_then_split'] * 1e3:>15.2f} {r['broadcast_split_tensor'] * 1e3:>11.2f} "
-              f"{r['broadcast_split_tensor'] / r['broadcast_then_split']:>6.2f}")  # fmt: skip
+        bcast, scatter = med(r["broadcast_then_split"]), med(r["broadcast_split_tensor"])
+        table.append([cp, f"{full_bytes // cp:,}", f"1/{cp} of {full_bytes:,}", f"{bcast * 1e3:.2f}",
+                      f"{scatter * 1e3:.2f}", f"{scatter / bcast:.2f}"])  # fmt: skip
+    head = ["cp", "bytes/receiver", "vs broadcast", "bcast+split ms", "scatter ms", "ratio"]
+    print(format_table(head, table, align="r" * len(head)))
+    rows = ratio_rows(results, args.quick)
+    print()
+    print(format_rows(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        write_json(args.json, "context_parallel", args.quick, rows, results)
 
 
 if __name__ == "__main__":

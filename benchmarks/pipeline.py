@@ -13,22 +13,30 @@ allocates the receive); ``PipelineP2P.send`` / ``irecv_into`` (no copy, reused b
 
     python benchmarks/pipeline.py            # about a minute on 2 cores
     python benchmarks/pipeline.py --quick    # smoke run, a few seconds
-    python benchmarks/pipeline.py --json out.json   # also write the medians (seconds per round trip) as JSON
+    python benchmarks/pipeline.py --json out.json   # also write the ratio rows and the times as JSON
+
+Ratio rows (benchmarks/_report.py): each method's round-trip time / raw's, per repeat; median and spread.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _report import (  # benchmarks/ is on sys.path
+    format_rows,
+    per_trial,
+    ratio_row,
+    write_json,
+)
 
 import wf_mesh
-from wf_mesh.pipeline import PipelineP2P, PPScheduler
+from wf_mesh import PipelineP2P, PPScheduler
 from wf_mesh.testing import LocalCluster
+from wf_mesh.viz import format_table
 
 SMALL = 4  # float32 elements
 BIG = 8 * 2**20 // 4  # 8 MiB of float32
@@ -96,12 +104,30 @@ def bench(numel: int, iters: int, repeats: int) -> dict[str, list[float]] | None
     return None
 
 
+RAW = "raw dist.isend/irecv"
+COMPARED = (
+    ("PPScheduler", "PPScheduler isend_next/recv_prev_data"),
+    ("PipelineP2P", "PipelineP2P send/recv"),
+    ("PipelineP2P irecv_into", "PipelineP2P send/irecv_into (reused buffer)"),
+    ("PipelineP2P checked", "PipelineP2P(checked=True) send/recv"),
+)
+
+
+def ratio_rows(times: dict[str, dict[str, list[float]]], quick: bool) -> list[dict]:
+    rows = []
+    for label, name in COMPARED:
+        for size, what in (("small", f"{SMALL * 4} B"), ("big", f"{BIG * 4 // 2**20} MiB")):
+            rows.append(ratio_row("pipeline", f"{label} / raw isend+irecv, {what} round trip",
+                                  per_trial(times[size][name], times[size][RAW]), quick=quick))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few iterations only (smoke run)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the ratio rows and the times as JSON to PATH")
     args = parser.parse_args()
-    small_iters, big_iters, repeats = (20, 2, 1) if args.quick else (200, 5, 21)
+    small_iters, big_iters, repeats = (20, 2, 2) if args.quick else (200, 5, 21)
 
     cluster = LocalCluster(2)
     try:
@@ -110,32 +136,26 @@ def main() -> None:
     finally:
         cluster.shutdown()
 
-    med = {k: {name: statistics.median(v) for name, v in d.items()} for k, d in (("small", small), ("big", big))}
-    raw = "raw dist.isend/irecv"
-    width = max(map(len, small)) + 2
+    times = {"small": small, "big": big}
+    med = {k: {name: statistics.median(v) for name, v in d.items()} for k, d in times.items()}
     print(f"pipeline P2P benchmark: 2 ranks, gloo, CPU, torch {torch.__version__}; "
           f"median of {repeats} interleaved repeat(s){' (--quick)' if args.quick else ''}")  # fmt: skip
     print(f"latency: round trip of {SMALL * 4} B ({SMALL} float32), {small_iters} round trips per repeat")
-    for name, t in med["small"].items():
-        print(f"  {name:<{width}} {t * 1e6:9.1f} us   {t / med['small'][raw]:5.2f}x raw")
+    table = [[name, f"{t * 1e6:.1f}", f"{t / med['small'][RAW]:.2f}x"] for name, t in med["small"].items()]
+    print(format_table(["method", "us", "vs raw"], table, align="lrr", indent="  "))
     print(f"bandwidth: round trip of 8 MiB float32 (16 MiB moved), {big_iters} round trips per repeat")
-    for name, t in med["big"].items():
-        gbps, ratio = 2 * BIG * 4 / t / 1e9, t / med["big"][raw]
-        print(f"  {name:<{width}} {gbps:7.2f} GB/s {t * 1e3:8.2f} ms   {ratio:5.2f}x raw time")
-    print("ratios (time / raw time; 1.00 = as fast as raw):")
-    for label, name in (("PPScheduler / raw", "PPScheduler isend_next/recv_prev_data"),
-                        ("PipelineP2P / raw", "PipelineP2P send/recv"),
-                        ("PipelineP2P irecv_into / raw", "PipelineP2P send/irecv_into (reused buffer)"),
-                        ("PipelineP2P checked / raw", "PipelineP2P(checked=True) send/recv")):  # fmt: skip
-        print(f"  {label:<30} latency {med['small'][name] / med['small'][raw]:5.2f}x   "
-              f"8 MiB {med['big'][name] / med['big'][raw]:5.2f}x")  # fmt: skip
+    table = [[name, f"{2 * BIG * 4 / t / 1e9:.2f}", f"{t * 1e3:.2f}", f"{t / med['big'][RAW]:.2f}x"]
+             for name, t in med["big"].items()]  # fmt: skip
+    print(format_table(["method", "GB/s", "ms", "vs raw"], table, align="lrrr", indent="  "))
+    rows = ratio_rows(times, args.quick)
+    print()
+    print(format_rows(rows))
     if args.json:
         result = {
-            "torch": torch.__version__, "quick": args.quick, "repeats": repeats, "raw": raw,
-            "small_bytes": SMALL * 4, "big_bytes": BIG * 4, "seconds_per_round_trip": med,
+            "torch": torch.__version__, "quick": args.quick, "repeats": repeats, "raw": RAW,
+            "small_bytes": SMALL * 4, "big_bytes": BIG * 4, "seconds_per_round_trip": med, "per_repeat": times,
         }  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, "pipeline", args.quick, rows, result)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Measures, in one run:
    for a model with hundreds of small parameters and buffers: time and number of collectives.
 Each timing is the median over interleaved trials (the slowest rank for the broadcast). Design targets
 (DESIGN.md section 7): EMA within 10% of copy_; broadcast collectives ~ buckets, well ahead of per-tensor.
+Ratio rows (benchmarks/_report.py): per-trial ratios, their median and spread.
 
     python benchmarks/state.py [--quick] [--json out.json]
 """
@@ -16,19 +17,26 @@ Each timing is the median over interleaved trials (the slowest rank for the broa
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
+from _report import (  # benchmarks/ is on sys.path
+    above,
+    at_most,
+    format_rows,
+    per_trial,
+    ratio_row,
+    write_json,
+)
+from _timing import compare_trials, timed_dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from _timing import compare, timed_dist  # benchmarks/ is on sys.path when a script runs
-
-from wf_mesh.ema import ShardedEMA
-from wf_mesh.state_sync import broadcast_dtensor_model_states
+from wf_mesh import ShardedEMA, broadcast_dtensor_model_states
 from wf_mesh.testing import LocalCluster
+from wf_mesh.viz import format_table
 
 
 class Flat(nn.Module):
@@ -40,7 +48,7 @@ class Flat(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(v) for v in self.flat.view(count, numel).unbind(0))
 
 
-def ema_large(count: int, numel: int, iters: int, trials: int) -> dict[str, float]:
+def ema_large(count: int, numel: int, iters: int, trials: int) -> dict[str, list[float]]:
     model = Flat(count, numel)
     src = list(model.parameters())
     ema = ShardedEMA(model, beta=0.999)
@@ -57,10 +65,10 @@ def ema_large(count: int, numel: int, iters: int, trials: int) -> dict[str, floa
             "ShardedEMA.update": lambda: ema.update(model),
             "ShardedEMA.update (bf16 model)": lambda: half_ema.update(half),
         }
-        return compare(paths, iters, trials)
+        return compare_trials(paths, iters, trials)
 
 
-def ema_small(count: int, numel: int, iters: int, trials: int) -> dict[str, float]:
+def ema_small(count: int, numel: int, iters: int, trials: int) -> dict[str, list[float]]:
     model = Flat(count, numel)
     src = list(model.parameters())
     ema = ShardedEMA(model, beta=0.999)
@@ -72,7 +80,7 @@ def ema_small(count: int, numel: int, iters: int, trials: int) -> dict[str, floa
             t.lerp_(p, 0.001)
 
     with torch.no_grad():
-        return compare(
+        return compare_trials(
             {
                 "copy_ (foreach)": lambda: torch._foreach_copy_(copy_targets, src),
                 "ShardedEMA.update": lambda: ema.update(model),
@@ -109,7 +117,7 @@ def broadcast_paths(layers: int, width: int, iters: int, trials: int) -> dict:
         for t in tensors:
             dist.broadcast(t, group=group, group_src=0)
 
-    times = compare(
+    times = compare_trials(
         {"bucketed": lambda: broadcast_dtensor_model_states(model, mesh), "per_tensor": per_tensor},
         iters,
         trials,
@@ -120,45 +128,72 @@ def broadcast_paths(layers: int, width: int, iters: int, trials: int) -> dict:
             "collectives_bucketed": buckets + 1, "collectives_per_tensor": len(tensors)}  # fmt: skip
 
 
+def med(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def ratio_rows(results: dict, quick: bool) -> list[dict]:
+    big, small = results["ema_large"], results["ema_small"]
+    copy_ = big["copy_ (foreach)"]
+    rows = [
+        ratio_row("state", "EMA update / copy_ of the same bytes", per_trial(big["ShardedEMA.update"], copy_),
+                  at_most(1.10), quick=quick),
+        ratio_row("state", "bare _foreach_lerp_ / copy_ (the floor)", per_trial(big["bare _foreach_lerp_"], copy_),
+                  quick=quick),
+        ratio_row("state", "EMA update, bf16 model / copy_",
+                  per_trial(big["ShardedEMA.update (bf16 model)"], copy_), quick=quick),
+        ratio_row("state", "many small tensors: lerp_ loop / EMA update",
+                  per_trial(small["lerp_ loop"], small["ShardedEMA.update"]), quick=quick),
+    ]  # fmt: skip
+    for world, b in results["broadcast"].items():
+        expected = b["buckets"] + 1  # one broadcast per bucket + the layout check
+        rows.append(ratio_row(
+            "state", f"state broadcast w{world}: collectives / (buckets + 1 check), {b['tensors']} tensors",
+            b["collectives_bucketed"] / expected, at_most(1.0)._replace(text="≈ 1 (collectives ≈ buckets)"),
+            quick=quick,
+        ))  # fmt: skip
+        rows.append(ratio_row("state", f"state broadcast w{world}: time per-tensor / bucketed",
+                              per_trial(b["per_tensor"], b["bucketed"]), above(1, "> 1 (well ahead)"), quick=quick))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="also write the ratio rows and results here")
     args = parser.parse_args()
-    large = (16, 2**18) if args.quick else (100, 10**6)  # 4M or 100M fp32 parameters
-    small = (1000, 1024) if args.quick else (5000, 1024)
+    large = (16, 2**16) if args.quick else (100, 10**6)  # 1M or 100M fp32 parameters
+    small = (500, 256) if args.quick else (5000, 1024)
     iters, trials = (2, 3) if args.quick else (3, 7)
     layers, width = (100, 16) if args.quick else (300, 32)
     worlds = (2,) if args.quick else (2, 4)
     print(f"# wf_mesh state benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"{torch.get_num_threads()} threads ({'quick' if args.quick else 'full'})")  # fmt: skip
+          f"{torch.get_num_threads()} threads ({'quick' if args.quick else 'full'}; medians of {trials} trials)")  # fmt: skip
     results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "quick": args.quick}
 
     count, numel = large
     r = results["ema_large"] = ema_large(count, numel, iters, trials)
-    copy_ = r["copy_ (foreach)"]
+    copy_ = med(r["copy_ (foreach)"])
     print(
         f"\n## EMA update, {count * numel / 1e6:.0f}M fp32 parameters in {count} tensors (ratio = time / foreach copy_)"
     )
-    print(f"{'path':<32} {'ms':>9} {'ratio':>6}")
-    for name, t in r.items():
-        print(f"{name:<32} {t * 1e3:>9.2f} {t / copy_:>6.2f}")
-    print(f"{'wrapper overhead vs bare lerp':<32} {(r['ShardedEMA.update'] - r['bare _foreach_lerp_']) * 1e3:>9.2f} "
-          f"{r['ShardedEMA.update'] / r['bare _foreach_lerp_']:>6.2f}")  # fmt: skip
+    table = [[name, f"{med(t) * 1e3:.2f}", f"{med(t) / copy_:.2f}"] for name, t in r.items()]
+    ema, bare = med(r["ShardedEMA.update"]), med(r["bare _foreach_lerp_"])
+    table.append(["wrapper overhead vs bare lerp", f"{(ema - bare) * 1e3:.2f}", f"{ema / bare:.2f}"])
+    print(format_table(["path", "ms", "ratio"], table, align="lrr"))
 
     count, numel = small
     r = results["ema_small"] = ema_small(count, numel, iters, trials)
     print(f"\n## EMA of many small tensors: {count} x {numel} fp32 (ratio = time / ShardedEMA.update)")
-    print(f"{'path':<32} {'ms':>9} {'ratio':>6}")
-    for name, t in r.items():
-        print(f"{name:<32} {t * 1e3:>9.2f} {t / r['ShardedEMA.update']:>6.2f}")
+    ema = med(r["ShardedEMA.update"])
+    table = [[name, f"{med(t) * 1e3:.2f}", f"{med(t) / ema:.2f}"] for name, t in r.items()]
+    print(format_table(["path", "ms", "ratio"], table, align="lrr"))
 
     print(
         f"\n## state broadcast over a replicate axis (gloo): {layers} Linear({width}, {width}) + {layers // 2} buffers"
     )
-    print(f"{'world':>5} {'tensors':>8} {'KiB':>7} {'bucketed ms':>12} {'colls':>6} {'per-tensor ms':>14} {'colls':>6} "
-          f"{'speedup':>8}")  # fmt: skip
     results["broadcast"] = {}
+    table = []
     for world in worlds:
         cluster = LocalCluster(world).start()
         try:
@@ -166,12 +201,16 @@ def main() -> None:
         finally:
             cluster.shutdown()
         results["broadcast"][world] = b
-        print(f"{world:>5} {b['tensors']:>8} {b['bytes'] / 1024:>7.0f} {b['bucketed'] * 1e3:>12.2f} "
-              f"{b['collectives_bucketed']:>6} {b['per_tensor'] * 1e3:>14.2f} {b['collectives_per_tensor']:>6} "
-              f"{b['per_tensor'] / b['bucketed']:>7.1f}x")  # fmt: skip
+        bucketed, per_tensor = med(b["bucketed"]), med(b["per_tensor"])
+        table.append([world, b["tensors"], f"{b['bytes'] / 1024:.0f}", f"{bucketed * 1e3:.2f}", b["collectives_bucketed"],
+                      f"{per_tensor * 1e3:.2f}", b["collectives_per_tensor"], f"{per_tensor / bucketed:.1f}x"])  # fmt: skip
+    head = ["world", "tensors", "KiB", "bucketed ms", "colls", "per-tensor ms", "colls", "speedup"]
+    print(format_table(head, table, align="r" * len(head)))
+    rows = ratio_rows(results, args.quick)
+    print()
+    print(format_rows(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        write_json(args.json, "state", args.quick, rows, results)
 
 
 if __name__ == "__main__":

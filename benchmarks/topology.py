@@ -21,7 +21,10 @@ Run::
 
     .venv/bin/python benchmarks/topology.py                 # full run (about a minute)
     .venv/bin/python benchmarks/topology.py --quick         # 1k ranks only, fewer repetitions (smoke test)
-    .venv/bin/python benchmarks/topology.py --json out.json # also write the results as JSON
+    .venv/bin/python benchmarks/topology.py --json out.json # also write the ratio rows and results as JSON
+
+Ratio rows (benchmarks/_report.py): planning time / 1 s (target: well under 1), and per world size the
+Megatron-style build / the wf_mesh build (reported), each with its spread over the repetitions.
 """
 
 from __future__ import annotations
@@ -38,8 +41,16 @@ import sys
 import time
 
 import torch
+from _report import (  # benchmarks/ is on sys.path
+    below,
+    format_rows,
+    per_trial,
+    ratio_row,
+    write_json,
+)
 
 from wf_mesh import AXES, DERIVED_AXES, ParallelDims
+from wf_mesh.viz import format_table
 
 ALL_AXES = (*AXES, *DERIVED_AXES)
 PLAN_WORLD = 100_000
@@ -87,6 +98,7 @@ def bench_planning(reps: int) -> dict:
         "resolve_ms": _ms(statistics.median(resolve)),
         "axes": per_axis,
         "total_ms": _ms(statistics.median(totals)),
+        "total_ms_per_rep": [_ms(t) for t in totals],
     }
 
 
@@ -99,7 +111,7 @@ def child(world_size: int, reps: int) -> dict:
 
     _compat.register_fake_backend()
     rank = world_size // 2 + 1
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore(), timeout=TIMEOUT)
     dims = MESH_DIMS.resolve(world_size)
 
     def wf_mesh_build():
@@ -140,8 +152,10 @@ def child(world_size: int, reps: int) -> dict:
     dist.destroy_process_group()
     result = {"world_size": world_size, "dims": str(dims), "rank": rank, "reps": reps}
     for name in methods:
-        result[name] = {"build_ms": _ms(statistics.median(times[name])), **counts[name]}
-    result["ratio"] = round(result["megatron"]["build_ms"] / result["wf_mesh"]["build_ms"], 2)
+        result[name] = {"build_ms": _ms(statistics.median(times[name])), **counts[name],
+                        "build_ms_per_rep": [_ms(t) for t in times[name]]}  # fmt: skip
+    result["ratios"] = per_trial(times["megatron"], times["wf_mesh"])
+    result["ratio"] = round(statistics.median(result["ratios"]), 2)
     return result
 
 
@@ -154,7 +168,18 @@ def run_child(world_size: int, reps: int) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------------------------
-def print_report(header: str, planning: dict, builds: list[dict]) -> None:
+def ratio_rows(planning: dict, builds: list[dict], quick: bool) -> list[dict]:
+    rows = [ratio_row(
+        "topology", f"planning {planning['world_size']:,} ranks (groups of {len(ALL_AXES)} axes) / 1 s",
+        [ms / 1e3 for ms in planning["total_ms_per_rep"]], below(1, "< 1 (well under 1 s)"), quick=quick,
+    )]  # fmt: skip
+    for b in builds:
+        what = f"mesh build, {b['world_size']} ranks: megatron new_group loop / wf_mesh"
+        rows.append(ratio_row("topology", what, b["ratios"], quick=quick))
+    return rows
+
+
+def print_report(header: str, planning: dict, builds: list[dict], rows: list[dict]) -> None:
     print(header)
     print()
     print(
@@ -162,12 +187,10 @@ def print_report(header: str, planning: dict, builds: list[dict]) -> None:
         f"{planning['world_size']:,} ranks, median of {planning['reps']}"
     )
     print(f"   resolve: {planning['resolve_ms']:.3f} ms")
-    print(f"   {'axis':<9} {'groups':>7} {'size':>6} {'groups() ms':>12} {'group_of(rank) ms':>18}")
-    for axis, row in planning["axes"].items():
-        print(
-            f"   {axis:<9} {row['num_groups']:>7} {row['group_size']:>6} {row['groups_ms']:>12.3f} "
-            f"{row['group_of_ms']:>18.3f}"
-        )
+    table = [[axis, r["num_groups"], r["group_size"], f"{r['groups_ms']:.3f}", f"{r['group_of_ms']:.3f}"]
+             for axis, r in planning["axes"].items()]  # fmt: skip
+    print(format_table(["axis", "groups", "size", "groups() ms", "group_of(rank) ms"], table, align="lrrrr",
+                       indent="   "))  # fmt: skip
     print(f"   total (resolve + all groups() + all group_of()): {planning['total_ms']:.1f} ms")
     print()
     print(
@@ -176,19 +199,16 @@ def print_report(header: str, planning: dict, builds: list[dict]) -> None:
     )
     print("   wf_mesh = init_parallel (one init_device_mesh + flattened derived axes); megatron = dist.new_group")
     print(f"   for every group of every axis ({', '.join(ALL_AXES)}). ratio > 1: wf_mesh is faster.")
-    head = (
-        f"   {'ranks':>6} | {'wf_mesh build (ms)':>18} | {'megatron new_group loop (ms)':>28} | "
-        f"{'ratio (megatron / wf_mesh)':>26} | {'groups held wf/meg':>18} | {'new_group calls wf/meg':>22}"
-    )
-    print(head)
-    print("   " + "-" * (len(head) - 3))
+    table = []
     for b in builds:
         wf, mg = b["wf_mesh"], b["megatron"]
-        print(
-            f"   {b['world_size']:>6} | {wf['build_ms']:>18.1f} | {mg['build_ms']:>28.1f} | "
-            f"{b['ratio']:>26.2f} | {str(wf['groups_held']) + '/' + str(mg['groups_held']):>18} | "
-            f"{str(wf['new_group_calls']) + '/' + str(mg['new_group_calls']):>22}"
-        )
+        table.append([b["world_size"], f"{wf['build_ms']:.1f}", f"{mg['build_ms']:.1f}", f"{b['ratio']:.2f}",
+                      f"{wf['groups_held']}/{mg['groups_held']}", f"{wf['new_group_calls']}/{mg['new_group_calls']}"])  # fmt: skip
+    head = ["ranks", "wf_mesh build (ms)", "megatron new_group loop (ms)", "ratio (megatron / wf_mesh)",
+            "groups held wf/meg", "new_group calls wf/meg"]  # fmt: skip
+    print(format_table(head, table, align="rrrrrr", rule=True, indent="   "))
+    print()
+    print(format_rows(rows))
 
 
 def main() -> None:
@@ -214,10 +234,11 @@ def main() -> None:
     planning = bench_planning(plan_reps)
     gc.enable()
     builds = [run_child(n, build_reps) for n in sizes]
-    print_report(header, planning, builds)
+    rows = ratio_rows(planning, builds, args.quick)
+    print_report(header, planning, builds, rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "planning": planning, "mesh_build": builds}, f, indent=2)
+        write_json(args.json, "topology", args.quick, rows, {"header": header, "planning": planning,
+                                                             "mesh_build": builds})  # fmt: skip
 
 
 if __name__ == "__main__":

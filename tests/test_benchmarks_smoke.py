@@ -1,68 +1,188 @@
-"""Smoke test: the benchmarks run end to end (no timing assertions; benchmarks are not timed tests), and their
-JSON has what ``wf-mesh bench`` reads (:func:`wf_mesh.bench.ratio_rows`)."""
+"""The benchmarks: the one row schema (``benchmarks/_report.py``), the runner (``benchmarks/run.py``), and one
+quick run of every script through the runner (no timing is asserted: benchmarks are not timed tests).
 
+Tests marked ``slow`` start processes of their own; the rest are pure.
+"""
+
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from wf_mesh.bench import ratio_rows
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MINE = ("topology", "context_parallel", "state", "pipeline")  # cp_attention.py has a test of its own
 
 
-def run_quick(name, tmp_path):
-    """Run ``benchmarks/<name>.py --quick --json``; return its stdout and its JSON."""
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--json", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def load(name):
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+report = load("_report")
+runner = load("run")
+
+
+# ---- the row schema ---------------------------------------------------------------------------------
+def test_ratio_row_is_judged_on_the_median_and_spread_over_the_trials():
+    row = report.ratio_row("state", "EMA / copy_", [1.5, 0.9, 1.05], report.at_most(1.10), quick=False)
+    assert row == {"benchmark": "state", "measurement": "EMA / copy_", "ratio": 1.05, "low": 0.9, "high": 1.5,
+                   "target": "<= 1.10", "meets": "yes"}  # fmt: skip
+    assert report.ratio_row("s", "m", [1.2, 1.0, 1.3], report.at_most(1.10), quick=False)["meets"] == "NO"
+    assert report.ratio_row("s", "m", [1.2, 1.3], report.at_most(1.10), quick=True)["meets"] == "not judged"
+    assert report.ratio_row("s", "m", 0.25, report.equals(0.25, "= 1/4"), quick=False)["meets"] == "yes"
+    assert report.ratio_row("s", "m", [2.0], report.above(1, "> 1 (well ahead)"), quick=False)["target"] == "> 1 (well ahead)"
+    unjudged = report.ratio_row("s", "m", [3.0, 1.0], quick=False)
+    assert (unjudged["ratio"], unjudged["low"], unjudged["high"], unjudged["target"], unjudged["meets"]) == (2.0, 1.0, 3.0, "", "")
+    assert report.per_trial([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    with pytest.raises(ValueError, match="per-trial ratios need as many trials on both sides, got 2 and 1"):
+        report.per_trial([2.0, 3.0], [1.0])
+
+
+def test_rows_outside_the_schema_are_refused(tmp_path):
+    good = report.ratio_row("pipeline", "a / b", [1.0, 2.0], quick=True)
+    with pytest.raises(ValueError, match=r"pipeline row 0: expected the keys \['benchmark', 'measurement', 'ratio', "
+                                         r"'low', 'high', 'target', 'meets'\], got \['benchmark', 'ratio'\]"):  # fmt: skip
+        report.write_json(str(tmp_path / "x.json"), "pipeline", True, [{"benchmark": "pipeline", "ratio": 1}], {})
+    with pytest.raises(ValueError, match=r"meets must be one of \['yes', 'NO', 'not judged', ''\], got 'maybe'"):
+        report.check_row({**good, "meets": "maybe"})
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"gather": {}}))
+    with pytest.raises(ValueError, match=r"^cp_attention: its --json output has no 'rows' list \(the schema of "
+                                         r"benchmarks/_report.py\)$"):  # fmt: skip
+        report.read_rows(str(path), "cp_attention")
+    report.write_json(str(path), "pipeline", True, [good], {"raw": 1})
+    assert report.read_rows(str(path), "pipeline") == ([good], {"benchmark": "pipeline", "quick": True,
+                                                              "rows": [good], "results": {"raw": 1}})  # fmt: skip
+
+
+def test_format_rows():
+    rows = [
+        report.ratio_row("state", "EMA update / copy_", [0.93, 0.97, 1.02], report.at_most(1.10), quick=False),
+        report.ratio_row("context_parallel", "bytes / broadcast", 0.5, report.equals(0.5, "= 1/2"), quick=True),
+        report.ratio_row("topology", "planning / 1 s", [0.0123, 0.0131], report.below(1), quick=False),
+    ]
+    assert report.format_rows(rows) == (
+        "benchmark         measurement          ratio       low-high  target   meets\n"
+        "----------------  ------------------  ------  -------------  -------  ----------\n"
+        "state             EMA update / copy_    0.97      0.93-1.02  <= 1.10  yes\n"
+        "context_parallel  bytes / broadcast     0.50                 = 1/2    not judged\n"
+        "topology          planning / 1 s      0.0127  0.0123-0.0131  < 1      yes"
     )
+
+
+# ---- the runner -------------------------------------------------------------------------------------
+def test_runner_finds_scripts_and_refuses_unknown_names(tmp_path, capsys):
+    for name in ["_report", "run", "zeta", "pipeline", "cp_attention", "topology", "alpha"]:
+        (tmp_path / f"{name}.py").write_text("")
+    names = runner.available(tmp_path)
+    assert names == ["topology", "pipeline", "cp_attention", "alpha", "zeta"]
+    assert runner.selected("zeta, pipeline.py,cp-attention", names) == ["pipeline", "cp_attention", "zeta"]
+    assert runner.main(["--only", "topology,nope"], folder=tmp_path) == 2
+    assert capsys.readouterr().err == (
+        "benchmarks/run.py: error: --only 'topology,nope': unknown benchmark(s) ['nope']; choose from "
+        "['topology', 'pipeline', 'cp_attention', 'alpha', 'zeta']\n"
+    )
+
+
+@pytest.mark.slow
+def test_runner_reports_failing_scripts_and_rows_outside_the_schema(tmp_path, capsys):
+    (tmp_path / "pipeline.py").write_text("import sys\nprint('boom', file=sys.stderr)\nsys.exit(3)\n")
+    (tmp_path / "cp_attention.py").write_text(
+        "import json, sys\njson.dump({'cp': {}}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+    )
+    assert runner.main(["--quick"], folder=tmp_path) == 1
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("[1/2] pipeline --quick ... FAILED in ")
+    assert lines[1].startswith("[2/2] cp_attention --quick ... FAILED in ")
+    assert len(lines) == 2  # no table: no rows
+    assert captured.err == (
+        "benchmarks/run.py: pipeline failed: exited with code 3; the end of its output:\n  | boom\n"
+        "benchmarks/run.py: cp_attention failed: ValueError: cp_attention: its --json output has no 'rows' list "
+        "(the schema of benchmarks/_report.py)\n"
+    )
+
+
+# ---- every benchmark, quick, through the runner (one process tree per script) -------------------------
+EXPECTED = {
+    "topology": [
+        "planning 100,000 ranks (groups of 9 axes) / 1 s",
+        "mesh build, 1024 ranks: megatron new_group loop / wf_mesh",
+    ],
+    "context_parallel": [
+        f"{what}" for cp in (2, 4) for what in (
+            f"gather cp {cp}: wf_mesh DTensor / raw all-gather", f"gather cp {cp}: legacy cat_outputs_cp / raw",
+            f"gather cp {cp}: wf_mesh / raw reusing its gather buffer",
+        )
+    ] + ["small gather cp 2: wf_mesh / raw", "small gather cp 4: wf_mesh / raw"] + [
+        f"broadcast_split cp {cp}: {what}" for cp in (2, 4)
+        for what in ("bytes per receiver / broadcast", "time scatter / broadcast-then-split")
+    ],
+    "state": [
+        "EMA update / copy_ of the same bytes", "bare _foreach_lerp_ / copy_ (the floor)",
+        "EMA update, bf16 model / copy_", "many small tensors: lerp_ loop / EMA update",
+        "state broadcast w2: collectives / (buckets + 1 check), 250 tensors",
+        "state broadcast w2: time per-tensor / bucketed",
+    ],
+    "pipeline": [
+        f"{label} / raw isend+irecv, {size} round trip"
+        for label in ("PPScheduler", "PipelineP2P", "PipelineP2P irecv_into", "PipelineP2P checked")
+        for size in ("16 B", "8 MiB")
+    ],
+}  # fmt: skip
+TARGETS = {
+    "planning 100,000 ranks (groups of 9 axes) / 1 s": "< 1 (well under 1 s)",
+    "gather cp 2: wf_mesh DTensor / raw all-gather": "<= 1.10",
+    "gather cp 4: wf_mesh DTensor / raw all-gather": "<= 1.10",
+    "broadcast_split cp 2: bytes per receiver / broadcast": "= 1/2",
+    "broadcast_split cp 4: bytes per receiver / broadcast": "= 1/4",
+    "EMA update / copy_ of the same bytes": "<= 1.10",
+    "state broadcast w2: collectives / (buckets + 1 check), 250 tensors": "≈ 1 (collectives ≈ buckets)",
+    "state broadcast w2: time per-tensor / bucketed": "> 1 (well ahead)",
+}
+
+
+@pytest.mark.slow
+def test_every_benchmark_runs_quick_and_writes_rows_in_the_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", ",".join(MINE), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, json.loads(out.read_text())
-
-
-def test_topology_benchmark_quick(tmp_path):
-    stdout, result = run_quick("topology", tmp_path)
-    assert "wf_mesh topology benchmark | torch" in stdout
-    assert "ranks | wf_mesh build (ms) | megatron new_group loop (ms) | ratio (megatron / wf_mesh)" in stdout
-    (build,) = result["mesh_build"]
-    assert build["world_size"] == 1024
-    assert build["wf_mesh"]["groups_held"] == build["megatron"]["groups_held"] == 9
+    assert proc.stderr == ""
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["failed"] == {} and list(data["results"]) == list(MINE)
+    rows = data["rows"]
+    assert all(tuple(row) == report.ROW_KEYS and row["low"] <= row["ratio"] <= row["high"] for row in rows)
+    by_benchmark = {name: [r["measurement"] for r in rows if r["benchmark"] == name] for name in MINE}
+    for name, measurements in EXPECTED.items():  # small gathers carry their overhead in us: match the start
+        assert len(by_benchmark[name]) == len(measurements), by_benchmark[name]
+        assert all(got.startswith(want) for got, want in zip(by_benchmark[name], measurements)), by_benchmark[name]
+    for row in rows:  # quick runs cannot judge: never "NO"
+        target = TARGETS.get(row["measurement"], "")
+        assert (row["target"], row["meets"]) == (target, "not judged" if target else ""), row
+    exact = {r["measurement"]: r for r in rows if r["measurement"].startswith(("broadcast_split cp", "state broadcast"))}
+    assert exact["broadcast_split cp 4: bytes per receiver / broadcast"]["ratio"] == 0.25  # each receiver gets 1/cp
+    assert exact["state broadcast w2: collectives / (buckets + 1 check), 250 tensors"]["ratio"] == 1.0
+    # each script's raw results come along
+    topology, state = data["results"]["topology"]["results"], data["results"]["state"]["results"]
+    (build,) = topology["mesh_build"]
+    assert build["world_size"] == 1024 and build["wf_mesh"]["groups_held"] == build["megatron"]["groups_held"] == 9
     assert build["wf_mesh"]["new_group_calls"] == build["megatron"]["new_group_calls"]
-    assert len(ratio_rows("topology", result)) == 2
-
-
-def test_pipeline_benchmark_quick(tmp_path):
-    stdout, result = run_quick("pipeline", tmp_path)
-    assert "latency: round trip of 16 B" in stdout and "bandwidth: round trip of 8 MiB" in stdout
-    assert "PPScheduler / raw" in stdout and "PipelineP2P / raw" in stdout
-    assert set(result["seconds_per_round_trip"]) == {"small", "big"} and result["small_bytes"] == 16
-    assert len(ratio_rows("pipeline", result)) == 6
-
-
-def test_state_benchmark_quick(tmp_path):
-    stdout, result = run_quick("state", tmp_path)
-    assert "# wf_mesh state benchmark  torch" in stdout
-    assert "## EMA update, 4M fp32 parameters in 16 tensors (ratio = time / foreach copy_)" in stdout
-    assert "## EMA of many small tensors: 1000 x 1024 fp32" in stdout
-    assert set(result["ema_large"]) >= {"copy_ (foreach)", "bare _foreach_lerp_", "ShardedEMA.update"}
-    assert set(result["ema_small"]) == {"copy_ (foreach)", "ShardedEMA.update", "lerp_ loop"}
-    broadcast = result["broadcast"]["2"]
+    broadcast = state["broadcast"]["2"]
     assert broadcast["tensors"] == broadcast["collectives_per_tensor"] == 250  # 100 Linear (w, b) + 50 buffers
     assert broadcast["collectives_bucketed"] == 2 and broadcast["buckets"] == 1  # one fp32 bucket + the layout check
-    rows = {row["measurement"]: row for row in ratio_rows("state", result)}
-    assert rows["state broadcast w2: collectives / (buckets + 1 check), 250 tensors"]["meets"] is True
-
-
-def test_context_parallel_benchmark_quick(tmp_path):
-    stdout, result = run_quick("context_parallel", tmp_path)
-    assert "## gather (2, 512, 128) fp32 along dim 1 (quick)" in stdout
-    assert set(result["gather"]["2"]) == {"raw", "raw_reused", "wf_mesh", "legacy"}
-    split = result["broadcast_split"]["4"]
-    assert split["bytes_per_receiver"] * 4 == split["broadcast_bytes_per_receiver"]  # each receiver gets 1/cp
-    rows = {row["measurement"]: row for row in ratio_rows("context_parallel", result)}
-    assert rows["broadcast_split cp 4: bytes per receiver / broadcast"]["meets"] is True
+    # one table of every row
+    lines = proc.stdout.splitlines()
+    assert [line.split(" ... ")[0] for line in lines[:4]] == [f"[{i}/4] {n} --quick" for i, n in enumerate(MINE, 1)]
+    header = next(i for i, line in enumerate(lines) if line.startswith("benchmark "))
+    assert lines[header].split() == ["benchmark", "measurement", "ratio", "low-high", "target", "meets"]
+    assert len([line for line in lines if line.startswith(MINE)]) == len(rows)

@@ -78,9 +78,14 @@ def unflatten(
 
 
 def default_group_timeout() -> datetime.timedelta:
-    """The timeout the default process group was created with."""
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    """The timeout the default process group was created with (torch's default for its backend where the
+    backend keeps no options, like the ``fake`` one)."""
+    backend = dist.get_backend()
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    options = getattr(dist.distributed_c10d._get_default_group()._get_backend(device), "options", None)
+    if options is None:
+        return dist.distributed_c10d._get_default_timeout(backend)
+    return options._timeout
 
 
 def backend_options(

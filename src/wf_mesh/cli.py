@@ -2,46 +2,271 @@
 
 Subcommands::
 
-    wf-mesh plan --world-size 16 --tp 2 --cp 2 --pp 2 [--dp N] [--order tp-cp-pp-dp]
-        Print the rank grid and every axis's groups (pure arithmetic: no processes are started).
-    wf-mesh demo --nproc 4 --tp 2 --cp 2 [--pp 1] [--order tp-cp-pp-dp]
-        Launch N local CPU processes (gloo) with torch's own launcher and run :mod:`wf_mesh.demo` on them.
-    wf-mesh demo --nproc 2 --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT --tp 2 --cp 2
+    wf-mesh plan --world-size 16 --tp 2 --cp 2 --pp 2 [--dp N] [--cp-ulysses N] [--order tp-cp-pp-dp]
+                 [--axis AXIS] [--highlight RANK] [--max-rows N] [--max-cols N] [--html PATH]
+        Print the rank grid and every axis's groups: ``str(wf_mesh.TopologyView(dims))``, the view a notebook
+        renders (``--html`` writes its HTML). Pure arithmetic: no processes, no torch import, milliseconds even
+        for a billion ranks (large worlds are cut, and the view says what it left out).
+    wf-mesh demo --nproc 4 --tp 2 --cp 2 [--pp 1] [--cp-ulysses 1] [--order tp-cp-pp-dp]
+        Launch N local CPU processes (gloo) with torch's own launcher and run :mod:`wf_mesh.demo` on them,
+        showing progress while the workers start.
+    wf-mesh demo --nproc 2 --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT --tp 2 --cp 2 [--rdzv-timeout S]
         The same across several machines (run it on every node; the world is nnodes x nproc ranks): torchrun's
         multi-node rendezvous (``--rdzv-backend c10d`` by default) at HOST:PORT, a host every node reaches.
-    wf-mesh bench [--quick] [--only topology,state] [--json PATH] [--dir PATH]
-        Run the checkout's benchmarks/*.py and print one table of ratios, with the targets of DESIGN.md §7.
+        While it waits for the other nodes it says so every few seconds; it gives up after ``--rdzv-timeout``
+        seconds (default :data:`DEFAULT_RDZV_TIMEOUT`).
 
-Bad input is reported as one line on stderr with exit code 2, before anything is launched.
+Bad input is reported as one line on stderr with exit code 2, before anything is launched (and before torch
+is imported: this module never imports it). Ctrl-C / SIGTERM stop the whole process tree the demo started
+(launcher, agents, workers), print one line and exit with 130 / 143.
+
+The benchmarks are not part of the package: ``python benchmarks/run.py [--quick]`` in a source checkout. They
+use :class:`ProcessTree` and :func:`interruptible` from here to stop their process trees the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any, NoReturn
 
-from wf_mesh import bench
 from wf_mesh.topology import ParallelDims
-from wf_mesh.viz import format_plan
 
-__all__ = ["build_parser", "demo_command", "main"]
+__all__ = [
+    "DEFAULT_RDZV_TIMEOUT",
+    "PROGRESS_ENV",
+    "STAGES",
+    "Interrupted",
+    "ProcessTree",
+    "build_parser",
+    "demo_command",
+    "interruptible",
+    "main",
+]  # fmt: skip
+
+DEFAULT_RDZV_TIMEOUT = 300.0
+"""Seconds ``wf-mesh demo`` waits for a rendezvous (other nodes, or the other ranks joining the gloo world)."""
+
+PROGRESS_ENV = "WF_MESH_DEMO_PROGRESS"
+"""Environment variable naming the folder where each local demo worker records how far it got."""
+
+TREE_ENV = "WF_MESH_PROCESS_TREE"
+"""Environment variable that marks every process of a :class:`ProcessTree` (a unique id per tree)."""
+
+HEARTBEAT = 3.0
+"""Seconds between progress lines while nothing changes."""
 
 
 class _UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
 
 
+class _Failure(Exception):
+    """A launched run that could not complete (e.g. a rendezvous timeout): printed as one line, exit code 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``wf-mesh plan: error: ...`` and exit code 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# ---- process trees and signals ----------------------------------------------------------------------------
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while :func:`interruptible` was active."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """130 for SIGINT, 143 for SIGTERM (128 + the signal number, as shells report it)."""
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into :class:`Interrupted` in the main thread, for the duration of the block."""
+
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _proc_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of a live process (None for zombies and processes that are gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if state in (b"Z", b"X") else int(ppid)
+
+
+def _has_env(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:  # gone, or another user's
+        return False
+
+
+class ProcessTree:
+    """A command started in a session of its own, whose every descendant can be found and stopped.
+
+    Each process of the tree carries ``WF_MESH_PROCESS_TREE=<unique id>`` in its environment, so
+    :meth:`stop` finds the workers even after their parents died or put them in sessions of their own (as
+    torchrun does), and kills them: SIGTERM first, SIGKILL for whatever is left after ``grace`` seconds.
+
+    Output: ``log`` (an open file) receives stdout and stderr; otherwise both are read line by line and passed
+    to ``on_stdout`` / ``on_stderr`` (default: written to this process's stdout / stderr) until :attr:`quiet` is
+    set, after which they are dropped (an interrupted run's tracebacks).
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        log: IO[str] | None = None,
+        on_stdout: Callable[[str], None] | None = None,
+        on_stderr: Callable[[str], None] | None = None,
+    ) -> None:
+        self.marker = uuid.uuid4().hex
+        self.quiet = False
+        env = {**(os.environ if env is None else env), TREE_ENV: self.marker}
+        out = log if log is not None else subprocess.PIPE
+        err = subprocess.STDOUT if log is not None else subprocess.PIPE
+        self.proc = subprocess.Popen(
+            list(cmd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+            start_new_session=True,
+        )  # fmt: skip
+        self._threads = []
+        if log is None:
+            for stream, sink in ((self.proc.stdout, on_stdout or _writer(sys.stdout)),
+                                 (self.proc.stderr, on_stderr or _writer(sys.stderr))):  # fmt: skip
+                thread = threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _pump(self, stream: IO[str], sink: Callable[[str], None]) -> None:
+        for line in stream:
+            if not self.quiet:
+                sink(line)
+        stream.close()
+
+    def members(self) -> list[int]:
+        """Live processes of the tree: the marked ones and the descendants of the command."""
+        entry = f"{TREE_ENV}={self.marker}".encode()
+        parents = {pid: _parent(pid) for pid in _proc_pids()}
+        parents = {pid: ppid for pid, ppid in parents.items() if ppid is not None and pid != os.getpid()}
+        found = {pid for pid in parents if _has_env(pid, entry)}
+        frontier = {self.proc.pid} if self.proc.poll() is None else set()
+        while frontier:
+            found |= frontier
+            frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in found}
+        return sorted(found)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the command to exit and its output to be passed on; its exit code. Processes of the tree
+        still running then (orphans holding on) are stopped."""
+        code = self.proc.wait(timeout)
+        if self.members():
+            self.stop(grace=1.0, quiet=False)
+        for thread in self._threads:
+            thread.join(timeout=5.0)  # a pipe still held open elsewhere must not hang the caller
+        return code
+
+    def stop(self, grace: float = 3.0, *, quiet: bool = True) -> int:
+        """Stop every process of the tree (SIGTERM, then SIGKILL after ``grace`` s); how many there were.
+        ``quiet``: drop the tree's output from now on (an interrupted run's tracebacks)."""
+        self.quiet = self.quiet or quiet
+        victims: set[int] = set()
+        with _signals_ignored():  # a second Ctrl-C must not interrupt the clean-up
+            for sig, seconds in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+                left = self.members()
+                if not left:
+                    break
+                victims.update(left)
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    self.proc.poll()  # reap our own child
+                    if not self.members():
+                        break
+                    time.sleep(0.05)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
+            for thread in self._threads:
+                thread.join(timeout=1.0)
+        return len(victims)
+
+
+def _writer(stream: IO[str]) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        stream.write(line)
+        stream.flush()
+
+    return write
+
+
+# ---- parser -----------------------------------------------------------------------------------------------
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0 or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _add_degrees(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument(
+        "--cp-ulysses", type=int, default=1, metavar="N",
+        help="split cp into cp_ring x cp_ulysses (Ulysses the faster sub-axis) and show both; default 1",
+    )  # fmt: skip
     parser.add_argument(
         "--order", default="tp-cp-pp-dp", help="rank order, fastest-varying axis first (default tp-cp-pp-dp)"
     )
@@ -51,16 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``wf-mesh`` (one subparser per subcommand)."""
     from wf_mesh import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="wf-mesh", description="Plan, try and benchmark tp/cp/pp/dp process-group layouts."
-    )
+    parser = _Parser(prog="wf-mesh", description="Plan and try tp/cp/pp/dp process-group layouts.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,demo}")
 
-    plan = sub.add_parser("plan", help="print the rank layout and groups of a world (no processes)")
+    plan = sub.add_parser("plan", help="print the rank layout and groups of a world (no processes, no torch)")
     plan.add_argument("--world-size", type=int, required=True, help="number of ranks")
     _add_degrees(plan)
     plan.add_argument("--dp", type=int, default=-1, help="data-parallel degree (default: inferred)")
+    plan.add_argument("--axis", help="show this axis alone (e.g. dp_cp, tp-cp, cp_ulysses) and list its groups")
+    plan.add_argument("--highlight", type=int, metavar="RANK", help="mark this rank with *")
+    plan.add_argument("--max-rows", type=_positive(int), default=16, metavar="N", help="grid rows shown (16)")
+    plan.add_argument("--max-cols", type=_positive(int), default=16, metavar="N", help="grid columns shown (16)")
+    plan.add_argument("--html", metavar="PATH", help="also write the view as an HTML page to PATH")
     plan.set_defaults(func=_plan)
 
     demo = sub.add_parser("demo", help="run the mesh, CP, FSDP2 + EMA and the pipeline ring on CPU processes (gloo)")
@@ -72,29 +300,50 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address that every node reaches")
     nodes.add_argument("--rdzv-backend", choices=("c10d", "static"), default="c10d", help="default c10d")
     nodes.add_argument("--rdzv-id", default="wf-mesh-demo", help="job id, the same on every node")
+    nodes.add_argument(
+        "--rdzv-timeout", type=_positive(float), default=DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
+        help=f"give up when waiting longer than this for the other nodes to join, or for the ranks to join the "
+        f"gloo world (default {DEFAULT_RDZV_TIMEOUT:g})",
+    )  # fmt: skip
     demo.set_defaults(func=_demo)
-
-    run = sub.add_parser("bench", help="run the benchmark scripts and print one table of ratios")
-    run.add_argument("--quick", action="store_true", help="pass --quick to every script (smoke run, noisy ratios)")
-    run.add_argument("--only", metavar="NAMES", help=f"comma-separated subset of {','.join(bench.BENCHMARKS)}")
-    run.add_argument("--json", metavar="PATH", help="also write the table (and each script's JSON) to PATH")
-    run.add_argument("--dir", metavar="PATH", help="folder of the scripts (default: the checkout's benchmarks/)")
-    run.set_defaults(func=_bench)
     return parser
 
 
-def _resolve(args: argparse.Namespace, world_size: int, dp: int = -1) -> ParallelDims:
+def _dims(args: argparse.Namespace, world_size: int, dp: int = -1) -> ParallelDims:
     try:
-        return ParallelDims(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, order=args.order).resolve(world_size)
+        return ParallelDims(
+            tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, order=args.order, cp_ulysses=args.cp_ulysses
+        ).resolve(world_size)
     except (TypeError, ValueError) as e:
         raise _UsageError(str(e)) from None
 
 
+# ---- plan -------------------------------------------------------------------------------------------------
 def _plan(args: argparse.Namespace) -> int:
-    print(format_plan(_resolve(args, args.world_size, args.dp)))
+    from wf_mesh.viz import TopologyView
+
+    dims = _dims(args, args.world_size, args.dp)
+    try:
+        view = TopologyView(dims, args.axis, highlight=args.highlight, max_rows=args.max_rows, max_cols=args.max_cols)
+        text = str(view)
+        page = view._repr_html_() if args.html else None
+    except (TypeError, ValueError) as e:
+        raise _UsageError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - whatever the view cannot do is one line, not a traceback
+        raise _UsageError(f"cannot show this plan ({dims}): {type(e).__name__}: {e}") from None
+    if page is not None:
+        try:
+            with open(args.html, "w") as f:
+                f.write(f"<!doctype html><meta charset='utf-8'><title>wf-mesh plan</title>{page}\n")
+        except OSError as e:
+            raise _UsageError(f"--html {args.html}: {e.strerror}") from None
+    print(text)
+    if page is not None:
+        print(f"wrote {args.html}")
     return 0
 
 
+# ---- demo -------------------------------------------------------------------------------------------------
 def demo_command(
     nproc: int,
     dims: ParallelDims,
@@ -104,21 +353,28 @@ def demo_command(
     rdzv_endpoint: str | None = None,
     rdzv_backend: str = "c10d",
     rdzv_id: str = "wf-mesh-demo",
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
 ) -> list[str]:
-    """The launcher command ``wf-mesh demo`` runs: ``python -m torch.distributed.run ... -m wf_mesh.demo ...``.
+    """The launcher command ``wf-mesh demo`` runs: ``python -m wf_mesh.demo launch <torchrun arguments> -m
+    wf_mesh.demo ...``, i.e. torch's launcher (``torch.distributed.run``) run in-process by
+    :func:`wf_mesh.demo.launch`, which exits without the interpreter's slow teardown of torch.
 
-    One node: ``--standalone``. Several: ``--nnodes N --rdzv-backend B --rdzv-endpoint HOST:PORT --rdzv-id ID``
-    (and ``--node-rank R`` when given; torchrun's c10d rendezvous ignores it and numbers nodes as they join).
+    One node: ``--standalone``. Several: ``--nnodes N --rdzv-backend B --rdzv-endpoint HOST:PORT --rdzv-id ID
+    --rdzv-conf join_timeout=T,timeout=T`` (and ``--node-rank R`` when given; torchrun's c10d rendezvous
+    ignores it and numbers nodes as they join).
     """
     if nnodes == 1:
         launch = ["--standalone"]
     else:
+        seconds = math.ceil(rdzv_timeout)
         launch = ["--nnodes", str(nnodes), *(["--node-rank", str(node_rank)] if node_rank is not None else []),
-                  "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id]  # fmt: skip
+                  "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id,
+                  "--rdzv-conf", f"join_timeout={seconds},timeout={seconds}"]  # fmt: skip
+    ulysses = ["--cp-ulysses", str(dims.cp_ulysses)] if dims.cp_ulysses != 1 else []
     return [
-        sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(nproc),
+        sys.executable, "-m", "wf_mesh.demo", "launch", *launch, "--nproc-per-node", str(nproc),
         "-m", "wf_mesh.demo",
-        "--tp", str(dims.tp), "--cp", str(dims.cp), "--pp", str(dims.pp), "--order", dims.order,
+        "--tp", str(dims.tp), "--cp", str(dims.cp), "--pp", str(dims.pp), *ulysses, "--order", dims.order,
     ]  # fmt: skip
 
 
@@ -137,66 +393,117 @@ def _check_nodes(args: argparse.Namespace) -> None:
         raise _UsageError(f"--rdzv-backend static needs --node-rank in [0, {args.nnodes}), got {args.node_rank}")
 
 
+STAGES = ("started", "imported", "joined", "done")
+"""How far a demo worker got: process started, torch imported, joined the gloo world (mesh built), finished."""
+
+
+def _stages(folder: str) -> dict[str, int]:
+    """How many local workers reached each stage (a worker past a stage counts for it too)."""
+    counts = dict.fromkeys(STAGES, 0)
+    for name in os.listdir(folder):
+        if name.endswith(".tmp"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                stage = f.read().strip()
+        except OSError:
+            continue
+        for s in STAGES[: STAGES.index(stage) + 1] if stage in STAGES else ():
+            counts[s] += 1
+    return counts
+
+
+class _DemoWatch:
+    """The front process's view of a demo launch: progress lines while the workers start, the rendezvous
+    timeout, and the output of rank 0 passed through."""
+
+    def __init__(self, args: argparse.Namespace, progress: str) -> None:
+        self.args, self.progress = args, progress
+        self.start = time.monotonic()
+        self.output_started = threading.Event()
+        self.last_line, self.last_time = "", 0.0
+        self.imported_at: float | None = None
+
+    def on_stdout(self, line: str) -> None:
+        self.output_started.set()
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+    def _say(self, line: str, now: float) -> None:
+        if line != self.last_line or now - self.last_time >= HEARTBEAT:
+            print(f"wf-mesh demo: [{now - self.start:.0f} s] {line}", flush=True)
+            self.last_line, self.last_time = line, now
+
+    def tick(self) -> None:
+        """One look at the workers' progress: maybe a progress line; _Failure past the rendezvous timeout."""
+        args, now = self.args, time.monotonic()
+        counts = _stages(self.progress)
+        n, timeout = args.nproc, args.rdzv_timeout
+        if counts["joined"] == n or self.output_started.is_set():
+            return
+        if counts["started"] == 0:
+            if args.nnodes > 1:
+                what = (f"{args.nnodes} nodes to join the {args.rdzv_backend} rendezvous at {args.rdzv_endpoint} "
+                        f"(id {args.rdzv_id})")  # fmt: skip
+            else:
+                what = "torchrun to start the workers"
+            if now - self.start > timeout:
+                hint = "; is it running on every node, with the same --rdzv-endpoint and --rdzv-id?" if args.nnodes > 1 else ""
+                raise _Failure(f"gave up after {timeout:g} s waiting for {what}{hint}")
+            self._say(f"waiting for {what}; giving up after {timeout:g} s (--rdzv-timeout)", now)
+            return
+        if counts["imported"] == n and self.imported_at is None:
+            self.imported_at = now
+        world = n * args.nnodes
+        if self.imported_at is not None and now - self.imported_at > timeout:
+            raise _Failure(
+                f"gave up after {timeout:g} s waiting for all {world} ranks to join the gloo world "
+                f"({counts['joined']} of the {n} local ones joined)"
+            )
+        waiting = f"; waiting for all {world} ranks to join the gloo world" if counts["imported"] == n else ""
+        self._say(
+            f"local workers: {counts['started']}/{n} started, {counts['imported']}/{n} imported torch, "
+            f"{counts['joined']}/{n} joined{waiting}",
+            now,
+        )
+
+
 def _demo(args: argparse.Namespace) -> int:
     _check_nodes(args)
     world_size = args.nnodes * args.nproc
     try:
-        dims = _resolve(args, world_size)
+        dims = _dims(args, world_size)
     except _UsageError as e:
         where = f"--nproc {args.nproc}" if args.nnodes == 1 else f"--nnodes {args.nnodes} x --nproc {args.nproc}"
         raise _UsageError(f"{where}: {e}") from None
     cmd = demo_command(
         args.nproc, dims, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id,
+        rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout,
     )  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # N processes on one machine: avoid oversubscription (and its warning)
-    try:
-        return subprocess.run(cmd, env=env, check=False).returncode
-    except KeyboardInterrupt:
-        return 130
-
-
-def _selected(only: str | None) -> list[str]:
-    if only is None:
-        return list(bench.BENCHMARKS)
-    names = [n.strip().replace("-", "_").removesuffix(".py") for n in only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in bench.BENCHMARKS]
-    if unknown or not names:
-        raise _UsageError(f"--only {only!r}: unknown benchmark(s) {unknown}; choose from {list(bench.BENCHMARKS)}")
-    return [n for n in bench.BENCHMARKS if n in names]
-
-
-def _bench(args: argparse.Namespace) -> int:
-    names = _selected(args.only)
-    try:
-        folder = bench.benchmarks_dir(args.dir, names)
-    except FileNotFoundError as e:
-        raise _UsageError(str(e)) from None
-    rows, results, failed = [], {}, {}
-    with tempfile.TemporaryDirectory(prefix="wf-mesh-bench-") as tmp:
-        for i, name in enumerate(names, 1):
-            script = folder / f"{name}.py"
-            print(f"[{i}/{len(names)}] {script}{' --quick' if args.quick else ''} ...", end=" ", flush=True)
-            start = time.perf_counter()
-            try:
-                results[name] = bench.run_benchmark(script, Path(tmp) / f"{name}.json", quick=args.quick)
-                rows += bench.ratio_rows(name, results[name])
-            except (RuntimeError, KeyError, ValueError) as e:  # a failed script, or JSON without a field we read
-                failed[name] = f"{type(e).__name__}: {e}"
-            print(f"{'FAILED' if name in failed else 'done'} in {time.perf_counter() - start:.1f} s", flush=True)
-    if rows:
-        print()
-        print(bench.format_table(rows))
-        print(f"ratio = first named / second, measured side by side in one run; targets: DESIGN.md section 7"
-              f"{'; --quick: small sizes, few iterations, noisy' if args.quick else ''}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"quick": args.quick, "rows": rows, "results": results, "failed": failed}, f, indent=2)
-        print(f"wrote {args.json}")
-    for name, error in failed.items():
-        print(f"wf-mesh bench: {name} failed: {error}", file=sys.stderr)
-    return 1 if failed else 0
+    where = "this machine" if args.nnodes == 1 else f"this node of {args.nnodes} ({world_size} ranks in all)"
+    procs = f"{args.nproc} CPU process{'es' if args.nproc > 1 else ''}"
+    print(f"wf-mesh demo: launching {procs} on {where} with torchrun: {dims}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="wf-mesh-demo-") as progress:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N processes on one machine: avoid oversubscription (and its warning)
+        env[PROGRESS_ENV] = progress
+        watch = _DemoWatch(args, progress)
+        tree = None
+        try:
+            with interruptible():
+                tree = ProcessTree(cmd, env=env, on_stdout=watch.on_stdout)
+                while tree.proc.poll() is None:
+                    watch.tick()
+                    time.sleep(0.1)
+                return tree.wait()
+        except Interrupted as e:
+            stopped = tree.stop() if tree is not None else 0
+            print(f"wf-mesh demo: interrupted by {e}; stopped {stopped} processes", file=sys.stderr, flush=True)
+            return e.exit_code
+        except _Failure:
+            if tree is not None:
+                tree.stop()
+            raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,6 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(f"wf-mesh {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except _Failure as e:
+        print(f"wf-mesh {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

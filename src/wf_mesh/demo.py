@@ -1,8 +1,14 @@
 """The demo ``wf-mesh demo`` runs on every rank: the mesh, CP on a video latent, FSDP2 + EMA, the pipeline ring.
 
-Run it under torch's launcher (``wf-mesh demo --nproc 4 --tp 2 --cp 2`` does this for you)::
+Run it under torch's launcher (``wf-mesh demo --nproc 4 --tp 2 --cp 2`` does this for you, and shows the
+workers' progress while they start)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m wf_mesh.demo --tp 2 --cp 2
+
+``wf-mesh demo`` runs the launcher as ``python -m wf_mesh.demo launch <torchrun arguments>`` (:func:`launch`:
+torchrun in-process, a failed worker reported in one line, and an exit that skips the interpreter's slow
+teardown of torch). Each worker records how far it got (:data:`wf_mesh.cli.STAGES`) in the folder named by
+``WF_MESH_DEMO_PROGRESS``, which ``wf-mesh demo`` watches.
 
 The demo is a list of checks (:data:`CHECKS`). Each is a module-level function of a :class:`DemoContext` that
 every rank calls collectively and that returns a one-line result, raises :class:`CheckSkipped` (nothing to
@@ -23,16 +29,18 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from einops import rearrange
-from torch import nn
+from wf_mesh.topology import ParallelDims
+from wf_mesh.viz import format_ranks, format_table, mesh_axes
 
-import wf_mesh
-from wf_mesh.mesh import ParallelMesh
-from wf_mesh.topology import AXES, ParallelDims
-from wf_mesh.viz import PLAN_AXES, format_ranks
+if TYPE_CHECKING:
+    import torch
+
+    from wf_mesh.mesh import ParallelMesh
+
+# torch is imported when a check runs (or by main, after telling `wf-mesh demo` that this worker started):
+# importing it takes seconds, and the launcher shows the workers' progress meanwhile.
 
 __all__ = [
     "CHECKS",
@@ -44,6 +52,7 @@ __all__ = [
     "check_fsdp_ema",
     "check_pipeline_ring",
     "check_topology",
+    "format_report",
     "main",
     "run_checks",
 ]
@@ -72,6 +81,8 @@ class DemoContext:
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh) -> DemoContext:
         """The context of a mesh built elsewhere (a notebook, a test)."""
+        import torch.distributed as dist
+
         return cls(mesh=mesh, dims=mesh.dims, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
@@ -80,23 +91,28 @@ Check = Callable[[DemoContext], str]
 
 # ---- the mesh and its groups ----------------------------------------------------------------------------
 def check_topology(ctx: DemoContext) -> str:
-    """The mesh's coordinates and groups equal the pure plan (:meth:`ParallelDims.group_of`) on every axis."""
+    """The mesh's coordinates and groups equal the pure plan (:meth:`ParallelDims.group_of`) on every axis
+    (the cp sub-axes too when cp is split)."""
     if ctx.mesh.coords() != ctx.dims.coords(ctx.rank):
         raise CheckFailed(f"coords {ctx.mesh.coords()} != plan {ctx.dims.coords(ctx.rank)}")
+    axes = mesh_axes(ctx.dims)
     bad = [
         f"{axis}: mesh {ctx.mesh.ranks(axis)} != plan {ctx.dims.group_of(axis, ctx.rank)}"
-        for axis in PLAN_AXES
+        for axis in axes
         if ctx.mesh.ranks(axis) != ctx.dims.group_of(axis, ctx.rank)
     ]
     if bad:
         raise CheckFailed("; ".join(bad))
-    return f"topology: coords and groups of {len(PLAN_AXES)} axes match ParallelDims (order {ctx.dims.order})"
+    return f"topology: coords and groups of {len(axes)} axes match ParallelDims (order {ctx.dims.order})"
 
 
 def check_all_reduce(ctx: DemoContext) -> str:
     """All-reduce (SUM) of the global rank over each axis's group equals the sum of that group's ranks."""
-    bad = []
-    for axis in PLAN_AXES:
+    import torch
+    import torch.distributed as dist
+
+    bad, axes = [], mesh_axes(ctx.dims)
+    for axis in axes:
         total = torch.tensor([ctx.rank], dtype=torch.int64)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.mesh.group(axis))
         expected = sum(ctx.mesh.ranks(axis))
@@ -104,7 +120,7 @@ def check_all_reduce(ctx: DemoContext) -> str:
             bad.append(f"{axis}: all-reduce gave {total.item()}, sum of {ctx.mesh.ranks(axis)} is {expected}")
     if bad:
         raise CheckFailed("; ".join(bad))
-    return f"all-reduce: SUM of the global rank over each group of {len(PLAN_AXES)} axes = the sum of its ranks"
+    return f"all-reduce: SUM of the global rank over each group of {len(axes)} axes = the sum of its ranks"
 
 
 def _plural(n: int, noun: str) -> str:
@@ -121,6 +137,11 @@ def _max_err(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
 def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> str:
     """Split a (B, C, T, H, W) latent over cp (time, then height), apply ``tanh(x) + pos`` per token with the
     matching position embeddings, gather: equals the whole latent done in one process."""
+    import torch
+    from einops import rearrange
+
+    import wf_mesh
+
     cp = ctx.mesh.size("cp")
     shape = (2, 4, 4, 4 * cp, 6)  # T=4 takes gcd(4, cp) of cp; H (patch 2) always takes the rest
     g = torch.Generator().manual_seed(7)
@@ -148,7 +169,10 @@ def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> str:
 
 
 # ---- FSDP2 + EMA ----------------------------------------------------------------------------------------
-def _tiny_mlp() -> nn.Sequential:
+def _tiny_mlp() -> torch.nn.Sequential:
+    import torch
+    from torch import nn
+
     with torch.random.fork_rng(devices=()):  # the same initial weights on every rank; caller's RNG untouched
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -158,7 +182,11 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
     """``fully_shard`` a tiny MLP over the FSDP axis (dp_cp), train a few AdamW steps on per-rank batches with a
     :class:`~wf_mesh.ShardedEMA` update after each; the EMA's full weights (DTensor ``full_tensor``) and the
     model's equal a single-process run on the whole batch with a plain float32 EMA."""
+    import torch
+    from torch import nn
     from torch.distributed.fsdp import fully_shard
+
+    import wf_mesh
 
     fsdp, index, size = ctx.mesh.fsdp_mesh(), ctx.mesh.rank("dp_cp"), ctx.mesh.size("dp_cp")
     ref = _tiny_mlp()
@@ -203,6 +231,10 @@ def check_pipeline_ring(ctx: DemoContext) -> str:
     """A token goes once around each pp ring with the legacy ``PPScheduler`` (``isend_next`` +
     ``recv_prev_data``); every stage adds its global rank, and stage 0 gets ``[pp, sum of the ring's ranks]``.
     Skipped when pp=1 (a single stage has no neighbour)."""
+    import torch
+
+    import wf_mesh
+
     pp = ctx.mesh.size("pp")
     if pp == 1:
         raise CheckSkipped("pipeline ring: pp=1, a single stage has no neighbour to send to (try --pp 2)")
@@ -246,6 +278,8 @@ def run_checks(
     Stops at the first check that fails on any rank (its line names the failing ranks and their messages).
     ``echo`` (e.g. ``print`` on rank 0) gets a ``[i/n] title ...`` line before each check and its line after.
     """
+    import torch.distributed as dist
+
     lines = []
     for i, check in enumerate(checks, 1):
         if echo is not None:
@@ -275,32 +309,33 @@ def run_checks(
 
 
 def _rank_report(ctx: DemoContext) -> dict:
-    return {"rank": ctx.rank, "coords": ctx.mesh.coords(), "groups": {a: ctx.mesh.ranks(a) for a in PLAN_AXES}}
+    axes = mesh_axes(ctx.dims)
+    coords = {**ctx.mesh.coords(), **(ctx.dims.sub_coords(ctx.rank) if ctx.dims.cp_ulysses > 1 else {})}
+    return {"rank": ctx.rank, "coords": coords, "groups": {a: ctx.mesh.ranks(a) for a in axes}}
 
 
 def format_report(reports: Sequence[dict]) -> str:
-    """Per-rank table: rank, tp/cp/pp/dp coordinates, and this rank's group on every axis."""
-    header = ["rank", *AXES, *PLAN_AXES]
+    """Per-rank table: rank, its coordinates, and its group on every axis of the mesh (as the mesh built it)."""
+    coords = list(reports[0]["coords"])
+    axes = list(reports[0]["groups"])
     rows = [
-        [str(r["rank"]), *(str(r["coords"][a]) for a in AXES), *(format_ranks(r["groups"][a]) for a in PLAN_AXES)]
+        [r["rank"], *(r["coords"][a] for a in coords), "|", *(format_ranks(r["groups"][a]) for a in axes)]
         for r in reports
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    split = 1 + len(AXES)  # coordinates | groups
-
-    def line(cells: list[str]) -> str:
-        left = " ".join(c.rjust(w) for c, w in zip(cells[:split], widths[:split]))
-        right = "  ".join(c.ljust(w) for c, w in zip(cells[split:], widths[split:]))
-        return f"{left} | {right}".rstrip()
-
-    title = " " * len(line(header).split("|")[0]) + "| groups of this rank"
-    return "\n".join([title.rstrip(), line(header), *(line(row) for row in rows)])
+    header = ["rank", *coords, "|", *axes]
+    table = format_table(header, rows, align="r" * (len(coords) + 1))
+    return f"each rank's coordinates and its group on every axis (as the mesh built them):\n{table}"
 
 
 def _init(dims: ParallelDims) -> ParallelMesh:
-    degrees = {f"{axis}_size": dims.degree(axis) for axis in AXES}
-    config = {"distributed_backend": "gloo", "distributed_timeout_minutes": TIMEOUT_MINUTES, "order": dims.order}
-    return wf_mesh.dist_init({**config, **degrees})
+    import datetime
+
+    import torch.distributed as dist
+
+    import wf_mesh
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=TIMEOUT_MINUTES))
+    return wf_mesh.init_parallel(dims)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -308,6 +343,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp-ulysses", type=int, default=1)
     parser.add_argument("--order", default=DEFAULT_ORDER)
     return parser.parse_args(argv)
 
@@ -316,29 +352,56 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+def _progress(stage: str) -> None:
+    """Tell ``wf-mesh demo`` (which watches the folder named by WF_MESH_DEMO_PROGRESS) how far this worker got."""
+    folder = os.environ.get("WF_MESH_DEMO_PROGRESS")
+    if not folder:
+        return
+    path = os.path.join(folder, os.environ.get("LOCAL_RANK", "0"))
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(stage)
+        os.replace(path + ".tmp", path)
+    except OSError:  # the launcher is gone: nothing to tell
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo on this rank (under torchrun); returns the exit code (0 ok, 1 a check failed, 2 bad input)."""
+    _progress("started")
     args = _parse(argv)
     if "WORLD_SIZE" not in os.environ:
         print("wf_mesh.demo: error: WORLD_SIZE is not set; run it with `wf-mesh demo` or torchrun", file=sys.stderr)
         return 2
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
     try:
-        dims = ParallelDims(tp=args.tp, cp=args.cp, pp=args.pp, order=args.order).resolve(world_size)
+        dims = ParallelDims(
+            tp=args.tp, cp=args.cp, pp=args.pp, order=args.order, cp_ulysses=args.cp_ulysses
+        ).resolve(world_size)
     except (TypeError, ValueError) as e:
         if rank == 0:
             print(f"wf_mesh.demo: error: {e}", file=sys.stderr)
         return 2
 
+    import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401 - imported here, so the checks' times are not import times
+
+    import wf_mesh
+
+    for name in ("plan_video_split", "ShardedEMA", "PPScheduler"):  # wf_mesh's lazy imports, done up front
+        getattr(wf_mesh, name)
+    _progress("imported")
     start = time.perf_counter()
     mesh = _init(dims)
+    _progress("joined")
     try:
         ctx = DemoContext.from_mesh(mesh)
         reports = [None] * world_size if rank == 0 else None
         dist.gather_object(_rank_report(ctx), reports, dst=0)
         if rank == 0:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            nodes = f" ({world_size // per_node} nodes x {per_node} processes)" if per_node < world_size else ""
+            procs = f"{per_node} process{'es' if per_node > 1 else ''}"
+            nodes = f" ({world_size // per_node} nodes x {procs})" if per_node < world_size else ""
             _say(f"wf-mesh demo: {world_size} ranks{nodes} on {mesh.backend}/{mesh.device_type}, {dims}")
             _say(format_report(reports))
         ok, lines = run_checks(ctx, echo=_say if rank == 0 else None)
@@ -352,8 +415,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         wf_mesh.destroy_model_parallel()
         dist.destroy_process_group()
+    _progress("done")
     return 0 if ok else 1
 
 
+def launch(argv: Sequence[str]) -> int:
+    """Run torch's launcher (``torch.distributed.run``, i.e. torchrun) with ``argv`` in this process; its exit
+    code. A failed worker is reported as one line (ranks and exit codes) instead of torchrun's report: the
+    workers have said what failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(list(argv))
+    except ChildFailedError as e:
+        failed = sorted(e.failures.items())
+        ranks, codes = [rank for rank, _ in failed], [f.exitcode for _, f in failed]
+        print(f"wf-mesh demo: {len(failed)} worker(s) failed: ranks {ranks}, exit codes {codes}", file=sys.stderr)
+        return 1
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    return 0
+
+
+def _exit(code: int) -> None:
+    """Flush and leave at once: the interpreter's teardown of torch takes a second or more on a busy machine
+    (per process), and there is nothing left to clean up."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["launch"]:  # `wf-mesh demo` runs `python -m wf_mesh.demo launch <torchrun arguments>`
+        _exit(launch(sys.argv[2:]))
+    _exit(main())

@@ -1,13 +1,17 @@
 """Views of a parallel topology and of tensor placements: text for terminals, HTML for notebooks.
 
-- :func:`format_plan`: what ``wf-mesh plan`` prints (header, rank grid, every axis's groups).
+- :func:`format_table`: THE fixed-width text table of wf_mesh (the views, the demo's report, the benchmarks).
 - :class:`TopologyView`: the rank grid of a ParallelDims or ParallelMesh, each axis's groups told apart
-  (group numbers in text, one background colour per group in HTML).
+  (group numbers in text, one background colour per group in HTML), and the groups of every axis. It is what
+  ``wf-mesh plan`` prints.
 - :class:`PlacementView`: which rank holds which slice of every tensor dim, for a DTensor or a planned sharding
-  (no processes); uneven shards follow ``torch.chunk`` sizing, as DTensor does.
+  (no processes); uneven shards follow ``torch.chunk`` sizing (:mod:`wf_mesh.sizing`), as DTensor does.
 
-All views are pure arithmetic and cut large worlds with a note. A view as the last expression of a notebook
-cell renders as HTML (``_repr_html_``)::
+Everything here is pure arithmetic on what is shown (a million-rank world renders in milliseconds) and this
+module does not import torch: only :class:`PlacementView` of a real DTensor and :func:`parse_placement` (which
+returns torch placements) do, when called. Every cut says what was left out. A view as the last expression of
+a notebook cell renders as HTML (``_repr_html_``); the HTML sets a text colour wherever it sets a background,
+so it reads on light and dark notebook themes::
 
     >>> print(TopologyView(ParallelDims(tp=2, cp=2, pp=2).resolve(16)))                 # doctest: +SKIP
     >>> PlacementView.plan((2, 16, 8, 44, 80), (2, 4), ["R", "S(2)"], mesh_dim_names=("dp", "cp"))  # doctest: +SKIP
@@ -19,335 +23,546 @@ import html
 import itertools
 import math
 import re
-import textwrap
-from collections.abc import Sequence
-from typing import NamedTuple
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-
+from wf_mesh.sizing import chunk_range
 from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
 
 __all__ = [
-    "PLAN_AXES", "PlacementView", "RankSlice", "TopologyView", "format_plan", "format_ranks", "parse_placement",
-    "show_topology",
+    "PLAN_AXES", "PlacementSpec", "PlacementView", "RankSlice", "TopologyView", "format_ranks", "format_table",
+    "mesh_axes", "parse_placement", "show_topology",
 ]  # fmt: skip
 
 PLAN_AXES: tuple[str, ...] = (*AXES, *DERIVED_AXES)
-"""Axes whose groups :func:`format_plan` lists: the four base axes, then the derived ones."""
+"""The four base axes, then the derived ones: the axes every ParallelMesh has."""
 
-_AXIS_NOTES = {"dp_cp": "FSDP", "tp_pp": "model parallel"}
+_AXIS_NOTES = {"dp_cp": "FSDP", "tp_pp": "model parallel", "cp_ulysses": "Ulysses all-to-all", "cp_ring": "ring"}
 
 
-def format_ranks(ranks: Sequence[int], *, max_ranks: int = 16) -> str:
-    """Compact rank list: runs of 3+ consecutive ranks as ``a-b``, e.g. ``[0-3,8,9]``.
+def mesh_axes(dims: ParallelDims) -> tuple[str, ...]:
+    """Every axis a mesh of ``dims`` has: :data:`PLAN_AXES`, plus ``cp_ulysses`` and ``cp_ring`` when cp is split."""
+    sub = ("cp_ulysses", "cp_ring") if dims.cp_ulysses > 1 else ()
+    return (*AXES, *sub, *DERIVED_AXES)
 
-    More than ``max_ranks`` entries (a run counts as one) keeps the first ``max_ranks - 1`` and the last,
-    with ``...`` between.
+
+# ---- the one table formatter ------------------------------------------------------------------------
+def format_table(
+    header: Sequence[Any] | None,
+    rows: Iterable[Sequence[Any]],
+    *,
+    align: str = "",
+    sep: str = "  ",
+    rule: bool = False,
+    indent: str = "",
+) -> str:
+    """A fixed-width text table: the one table formatter of wf_mesh.
+
+    Args:
+        header: column titles, or None for a table without a header row.
+        rows: one sequence of cells per row (``str()`` of each); short rows are padded with empty cells.
+        align: one letter per column, ``"l"`` (left) or ``"r"`` (right); columns past its end are left-aligned.
+        sep: text between columns.
+        rule: a line of dashes under the header.
+        indent: text before every line.
+
+    Trailing spaces are stripped from every line.
+
+    >>> print(format_table(["name", "n"], [["a", 1], ["bb", 22]], align="lr"))
+    name   n
+    a      1
+    bb    22
     """
-    parts: list[str] = []
-    for _, run in itertools.groupby(enumerate(ranks), key=lambda item: item[1] - item[0]):
-        values = [r for _, r in run]
-        parts += [f"{values[0]}-{values[-1]}"] if len(values) >= 3 else [str(v) for v in values]
-    if len(parts) > max_ranks:
-        parts = [*parts[: max_ranks - 1], "...", parts[-1]]
-    return "[" + ",".join(parts) + "]"
+    table = [[str(c) for c in row] for row in rows]
+    if header is not None:
+        table.insert(0, [str(c) for c in header])
+    if not table:
+        return ""
+    ncols = max(map(len, table))
+    table = [row + [""] * (ncols - len(row)) for row in table]
+    bad = set(align) - {"l", "r"}
+    if bad:
+        raise ValueError(f"align {align!r}: use one 'l' or 'r' per column")
+    widths = [max(len(row[i]) for row in table) for i in range(ncols)]
+    right = [i < len(align) and align[i] == "r" for i in range(ncols)]
+
+    def line(cells: list[str]) -> str:
+        return (indent + sep.join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right))).rstrip()
+
+    lines = [line(row) for row in table]
+    if rule and header is not None:
+        lines.insert(1, line(["-" * w for w in widths]))
+    return "\n".join(lines)
 
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _side_by_side(blocks: list[list[str]], width: int) -> list[str]:
-    """Lay out blocks (lists of equal-width lines) left to right, in rows of at most ``width``, blank-line ended."""
-    out: list[str] = []
+# ---- rank lists -------------------------------------------------------------------------------------
+Part = tuple[str, int]  # (text, how many ranks it stands for)
+
+
+def _run_parts(start: int, count: int, step: int) -> Iterator[Part]:
+    if step == 1 and count >= 3:
+        yield f"{start}-{start + count - 1}", count
+    else:
+        for j in range(count):
+            yield str(start + j * step), 1
+
+
+def _join(parts: Iterator[Part], total: int, last: Part, max_parts: int) -> str:
+    """``[a,b,...]`` of at most ``max_parts`` parts; a cut list keeps the first ``max_parts - 1`` parts and the
+    last one, and says how many ranks it left out between them."""
+    shown = list(itertools.islice(parts, max(max_parts, 2) + 1))
+    if len(shown) <= max(max_parts, 2):
+        return "[" + ",".join(text for text, _ in shown) + "]"
+    head = shown[: max(max_parts, 2) - 1]
+    left_out = total - sum(n for _, n in head) - last[1]
+    return "[" + ",".join(text for text, _ in head) + f",({left_out} more),{last[0]}]"
+
+
+def format_ranks(ranks: Sequence[int], *, max_ranks: int = 16) -> str:
+    """Compact rank list: runs of 3+ consecutive ranks as ``a-b``, e.g. ``[0-3,8,9]``.
+
+    More than ``max_ranks`` entries (a run counts as one) keeps the first ``max_ranks - 1`` and the last, and
+    says how many ranks are left out between them: ``[0,2,4,(16 more),38]``.
+    """
+    ranks = list(ranks)
+    if not ranks:
+        return "[]"
+    parts: list[Part] = []
+    for _, run in itertools.groupby(enumerate(ranks), key=lambda item: item[1] - item[0]):
+        values = [r for _, r in run]
+        parts += _run_parts(values[0], len(values), 1)
+    return _join(iter(parts), len(ranks), parts[-1], max_ranks)
+
+
+class _Atom(NamedTuple):
+    name: str  # tp, cp (or cp_ulysses and cp_ring when cp is split), pp, dp
+    size: int
+    stride: int
+
+
+def _atoms(dims: ParallelDims) -> list[_Atom]:
+    """The indivisible axes of ``dims``, fastest first, with their global-rank strides."""
+    out, stride = [], 1
+    for axis in dims.axis_order:
+        if axis == "cp" and dims.cp_ulysses > 1:
+            parts = [("cp_ulysses", dims.cp_ulysses), ("cp_ring", dims.cp_ring)]
+        else:
+            parts = [(axis, getattr(dims, axis))]
+        for name, size in parts:
+            out.append(_Atom(name, size, stride))
+            stride *= size
+    return out
+
+
+def _member_names(dims: ParallelDims, axis: str) -> set[str]:
+    names: set[str] = set()
+    for name in parse_axes(axis):
+        if name == "cp":
+            names |= {"cp", "cp_ulysses", "cp_ring"}
+        elif name == "cp_ring" and dims.cp_ulysses == 1:
+            names.add("cp")  # an unsplit cp is all ring
+        else:
+            names.add(name)
+    return names
+
+
+def _group_layout(dims: ParallelDims, axis: str, index: int) -> tuple[int, list[tuple[int, int]]]:
+    """Group ``index`` of ``axis`` as (first rank, [(size, stride), ...] of its member axes, fastest first,
+    adjacent axes merged): pure arithmetic, whatever the group's size (``dims.group`` lists every member)."""
+    members = _member_names(dims, axis)
+    base, inner = 0, []
+    for atom in _atoms(dims):
+        if atom.name in members:
+            if atom.size > 1:
+                if inner and inner[-1][0] * inner[-1][1] == atom.stride:
+                    inner[-1] = (inner[-1][0] * atom.size, inner[-1][1])
+                else:
+                    inner.append((atom.size, atom.stride))
+        else:
+            index, c = divmod(index, atom.size)
+            base += c * atom.stride
+    return base, inner
+
+
+def _format_group(dims: ParallelDims, axis: str, index: int, max_ranks: int) -> str:
+    """``format_ranks(dims.group(axis, index))`` without listing the group: fast for groups of any size."""
+    base, inner = _group_layout(dims, axis, index)
+    if not inner:
+        return f"[{base}]"
+    (count, step), outer = inner[0], inner[1:]  # outer: the other member axes, fastest first
+
+    def parts() -> Iterator[Part]:
+        for k in itertools.count():  # runs in group order, one mixed-radix number at a time (never listed)
+            start = base
+            for size, stride in outer:
+                k, digit = divmod(k, size)
+                start += digit * stride
+            if k:
+                return
+            yield from _run_parts(start, count, step)
+
+    last_start = base + sum((size - 1) * stride for size, stride in outer)
+    if step == 1 and count >= 3:
+        last = (f"{last_start}-{last_start + count - 1}", count)
+    else:
+        last = (str(last_start + (count - 1) * step), 1)
+    return _join(parts(), math.prod(size for size, _ in inner), last, max_ranks)
+
+
+# ---- layout helpers ---------------------------------------------------------------------------------
+def _side_by_side(labels: list[str], blocks: list[list[str]], width: int) -> list[str]:
+    """Blocks (lists of lines, all as long as ``labels``) left to right, in rows of at most ``width``
+    characters; each row of blocks starts with the ``labels`` column."""
+    lw = max(map(len, labels), default=0)
+    prefix = lw + 2 if lw else 0
     rows: list[list[list[str]]] = []
     for block in blocks:
-        if rows and rows[-1] and 2 + sum(len(b[0]) + 3 for b in rows[-1]) + len(block[0]) <= width:
+        bw = max(map(len, block))
+        block = [line.ljust(bw) for line in block]
+        if rows and prefix + sum(len(b[0]) + 3 for b in rows[-1]) + bw <= width:
             rows[-1].append(block)
         else:
             rows.append([block])
+    out: list[str] = []
     for row in rows:
-        for i in range(max(len(b) for b in row)):
-            out.append(("  " + "   ".join(b[i] if i < len(b) else " " * len(b[0]) for b in row)).rstrip())
+        for i, label in enumerate(labels):
+            head = f"{label:<{lw}}  " if lw else ""
+            out.append((head + "   ".join(b[i] for b in row)).rstrip())
         out.append("")
     return out
 
 
 def _colour(index: int) -> str:
-    """Background colour of group / slice ``index``: golden-angle hues, three lightness levels."""
-    return f"hsl({index * 137.508 % 360:.1f},70%,{(80, 90, 70)[index % 3]}%)"
+    """Background colour of group / slice ``index``: golden-angle hues, three light levels (dark text reads)."""
+    return f"hsl({index * 137.508 % 360:.1f},70%,{(80, 90, 72)[index % 3]}%)"
 
 
 _STYLE = (  # scoped to the views' own <div>; the highlighted rank has class "me"
-    "<style>.wf-mesh-view{font-family:monospace}.wf-mesh-view table{border-collapse:collapse;margin:0}"
-    ".wf-mesh-view td,.wf-mesh-view th{padding:1px 5px;text-align:right;border:1px solid #fff}"
-    ".wf-mesh-view .me{outline:2px solid #000;font-weight:bold}</style>"
+    "<style>.wf-mesh-view{font-family:monospace;line-height:1.3}"
+    ".wf-mesh-view table{border-collapse:collapse;margin:0 0 .5em 0}"
+    ".wf-mesh-view td,.wf-mesh-view th{padding:1px 5px;text-align:right;border:1px solid rgba(127,127,127,.35)}"
+    ".wf-mesh-view th{font-weight:normal;opacity:.8}"
+    ".wf-mesh-view caption{white-space:nowrap;text-align:left;font-weight:bold}"
+    ".wf-mesh-view .me{outline:2px solid currentColor;outline-offset:-2px;font-weight:bold}"
+    ".wf-mesh-view .cut{font-style:italic;opacity:.8}</style>"
 )
 
 
-# ---- format_plan (wf-mesh plan) ---------------------------------------------------------------------
-def _header(dims: ParallelDims) -> list[str]:
-    strides = dims.strides()
-    terms = [a if strides[a] == 1 else f"{strides[a]}*{a}" for a in dims.axis_order if getattr(dims, a) > 1]
-    formula = " + ".join(terms) or "0"
-    return [
-        f"world size {dims.world_size} = tp {dims.tp} x cp {dims.cp} x pp {dims.pp} x dp {dims.dp}",
-        f"order {dims.order} (fastest first): rank = {formula}",
-        f"root mesh dims {dims.mesh_dim_names}, shape {dims.mesh_shape}",
-    ]
+def _cell_style(index: int) -> str:
+    return f"background:{_colour(index)};color:#000"
 
 
-def _block(dims: ParallelDims, dp: int, pp: int, max_side: int) -> list[str]:
-    """One (dp, pp) pair as a table: cp rows x tp columns of global ranks (truncated past ``max_side``)."""
-    cols = list(range(min(dims.tp, max_side)))
-    rows = list(range(min(dims.cp, max_side)))
-    col_w = max(len(str(dims.world_size - 1)), *(len(f"tp{t}") for t in cols))
-    row_w = max(len(f"cp{c}") for c in rows)
-    more_cols = " ..." if dims.tp > max_side else ""
-    lines = [" " * row_w + "".join(f" {f'tp{t}':>{col_w}}" for t in cols) + more_cols]
-    for c in rows:
-        cells = "".join(f" {dims.rank_of(tp=t, cp=c, pp=pp, dp=dp):>{col_w}}" for t in cols)
-        lines.append(f"{f'cp{c}':<{row_w}}{cells}{more_cols}")
-    if dims.cp > max_side:
-        lines.append(f"{'...':<{row_w}}")
-    title = f"dp{dp} pp{pp}"
-    w = max(len(title), *(len(line) for line in lines))
-    return [line.ljust(w) for line in [title, *lines]]
+def _html_rows(rows: Iterable[Sequence[str]], tag: str = "td", align: str = "") -> str:
+    """Table rows; ``align`` as in :func:`format_table` (cells are right-aligned unless "l")."""
+    left = ' style="text-align:left"'
+    return "".join(
+        "<tr>" + "".join(
+            f"<{tag}{left if i < len(align) and align[i] == 'l' else ''}>{html.escape(str(c))}</{tag}>"
+            for i, c in enumerate(row)
+        ) + "</tr>"
+        for row in rows
+    )  # fmt: skip
 
 
-def _grid(dims: ParallelDims, *, max_grid_ranks: int, max_side: int, width: int) -> list[str]:
-    # Pairs in rank order: the axis with the larger stride is the outer loop.
-    strides = dims.strides()
-    if strides["pp"] < strides["dp"]:
-        pairs = itertools.product(range(dims.dp), range(dims.pp))
-    else:
-        pairs = ((dp, pp) for pp, dp in itertools.product(range(dims.pp), range(dims.dp)))
-    n_pairs = dims.dp * dims.pp
-    per_block = min(dims.tp, max_side) * min(dims.cp, max_side)
-    shown = list(itertools.islice(pairs, max(1, max_grid_ranks // per_block)))
-    out = [f"rank grid: one cp x tp table per (dp, pp) pair ({_plural(n_pairs, 'pair')})"]
-    out += _side_by_side([_block(dims, dp, pp, max_side) for dp, pp in shown], width)
-    if n_pairs > len(shown):
-        out.append(f"  ... {_plural(n_pairs - len(shown), '(dp, pp) pair')} more not shown ({n_pairs} in all)")
-        out.append("")
-    return out
+def _html_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str = "") -> str:
+    return f"<table>{_html_rows([header], 'th', align)}{_html_rows(rows, 'td', align)}</table>"
 
 
-def _groups(dims: ParallelDims, *, max_groups: int, max_ranks: int, width: int) -> list[str]:
-    tables = {axis: dims.group_tensor(axis) for axis in PLAN_AXES}  # views of one arange: cheap at any size
-    labels = {axis: f"{_plural(t.shape[0], 'group')} of {t.shape[1]}" for axis, t in tables.items()}
-    name_w, label_w = max(map(len, PLAN_AXES)), max(map(len, labels.values()))
-    out = ["groups (ranks in group order):"]
-    seen: dict[frozenset[str], str] = {}  # axes of degree > 1 -> first axis with exactly these groups
-    for axis, table in tables.items():
-        prefix = f"  {axis:<{name_w}}  {labels[axis]:<{label_w}}  "
-        n = table.shape[0]
-        parts: list[str] = []
-        for group in table[:max_groups].tolist():  # as many groups as fit the width (at least one)
-            text = _list(group, max_ranks)
-            if parts and len(prefix) + sum(len(p) + 1 for p in parts) + len(text) > width:
-                break
-            parts.append(text)
-        text = " ".join(parts) + (f" ... ({n} groups)" if n > len(parts) else "")
-        key = frozenset(a for a in parse_axes(axis) if getattr(dims, a) > 1)
-        notes = [_AXIS_NOTES[axis]] if axis in _AXIS_NOTES else []
-        if key in seen:
-            notes.append(f"= {seen[key]}")
-        else:
-            seen[key] = axis
-        out.append(prefix + text + (f"  ({'; '.join(notes)})" if notes else ""))
-    return out
-
-
-def _list(ranks: list[int], max_ranks: int) -> str:
-    if len(ranks) <= max_ranks:
-        return str(ranks)
-    return "[" + ", ".join(map(str, ranks[: max_ranks - 1])) + f", ..., {ranks[-1]}]"
-
-
-def format_plan(
-    dims: ParallelDims,
-    *,
-    max_grid_ranks: int = 64,
-    max_side: int = 16,
-    max_groups: int = 16,
-    max_ranks: int = 12,
-    width: int = 100,
-) -> str:
-    """Text view of a resolved ``dims``: header, rank grid, and the groups of every axis in :data:`PLAN_AXES`.
-
-    Args:
-        dims: a resolved ParallelDims (``dims.resolve(world_size)``); ValueError if ``dp`` is still -1.
-        max_grid_ranks: ranks shown in the grid; whole (dp, pp) tables beyond it are cut with a note
-            (at least one table is shown).
-        max_side: tp columns / cp rows shown per table before ``...``.
-        max_groups: groups listed per axis (fewer if they do not fit ``width``) before ``... (N groups)``.
-        max_ranks: ranks listed per group: the first ``max_ranks - 1``, ``...``, then the last.
-        width: target line width: tables are laid side by side and group lists cut to fit it.
-    """
-    lines = [*_header(dims), ""]
-    lines += _grid(dims, max_grid_ranks=max_grid_ranks, max_side=max_side, width=width)
-    lines += _groups(dims, max_groups=max_groups, max_ranks=max_ranks, width=width)
-    return "\n".join(lines)
+def _html_notes(lines: Iterable[str]) -> str:
+    return "<p>" + "<br>".join(map(html.escape, lines)) + "</p>"
 
 
 # ---- topology view ----------------------------------------------------------------------------------
-def _text_block(title: str, rows: list[list[str]], more_rows: bool, more_cols: bool, labels=None) -> list[str]:
-    w = max(len(c) for row in rows for c in row)
-    lines = [" ".join(f"{c:>{w}}" for c in row) + (" ..." if more_cols else "") for row in rows]
-    if labels and any(labels):
-        lw = max(map(len, labels))
-        lines = [f"{label:<{lw}}  {line}" for label, line in zip(labels, lines)]
-    lines += ["..."] if more_rows else []
-    w = max(len(title), *map(len, lines))
-    return [line.ljust(w) for line in [title, *lines]]
-
-
 class TopologyView:
-    """The rank grid of a resolved ParallelDims (or a ParallelMesh: its dims, this rank highlighted) with each
-    axis's groups told apart.
+    """The rank grid of a resolved ParallelDims (or a ParallelMesh: its dims, this rank highlighted), each axis's
+    groups told apart, and the groups of every axis: what ``wf-mesh plan`` prints.
 
     Ranks are laid out row-major: the fastest axes of ``order`` across (until the grid is about square or
-    ``max_cols`` wide), the others down. Text: the rank grid, then one grid per axis whose cells are each
-    rank's group number on that axis (the index in ``dims.groups(axis)``). HTML: one grid of ranks per axis,
-    each group its own background colour (hover a cell for its coordinates). ``axis=None`` shows every base
-    axis of degree > 1; ``axis="dp_cp"`` (any base or derived axis or token such as ``"tp-cp"``) shows that
-    axis alone and lists its groups. Past ``max_rows`` x ``max_cols`` ranks the grid is cut with a note.
+    ``max_cols`` wide), the others down; the column axes' coordinates head the columns and the row axes'
+    coordinates label the rows. Text: the rank grid, then one grid per axis whose cells are each rank's group
+    number on that axis (its index in ``dims.groups(axis)``), then the groups of every axis (numbered the same
+    way). HTML: one grid of ranks per axis, each group its own background colour (hover a cell for its
+    coordinates), and the same group list.
+
+    ``axis=None`` shows every base axis of degree > 1 (and, when cp is split with ``cp_ulysses``, the sub-axes
+    ``cp_ulysses`` and ``cp_ring``) and lists the groups of every axis of the mesh; ``axis="dp_cp"`` (any
+    base, sub- or derived axis, or a token such as ``"tp-cp"``) shows and lists that axis alone. Past
+    ``max_rows`` x ``max_cols`` ranks the grids are cut, past ``max_groups`` groups (or ``width``) a group list
+    is cut, and past ``max_ranks`` ranks a group is cut; each cut says what it left out. Pure arithmetic on what
+    is shown: fast for any world size.
     """
 
-    def __init__(self, dims_or_mesh, axis: str | None = None, *, highlight: int | None = None, max_rows: int = 16,
-                 max_cols: int = 16, max_groups: int = 16, width: int = 100) -> None:  # fmt: skip
+    def __init__(self, dims_or_mesh: Any, axis: str | None = None, *, highlight: int | None = None,
+                 max_rows: int = 16, max_cols: int = 16, max_groups: int = 16, max_ranks: int = 12,
+                 width: int = 100) -> None:  # fmt: skip
         dims = getattr(dims_or_mesh, "dims", dims_or_mesh)
         if not isinstance(dims, ParallelDims):
             raise TypeError(f"TopologyView needs a ParallelDims or a ParallelMesh, got {type(dims_or_mesh).__name__}")
         world = dims.world_size  # ValueError if dp is still -1
         self.dims = dims
         self.highlight = getattr(dims_or_mesh, "global_rank", None) if highlight is None else highlight
+        if self.highlight is not None and not 0 <= self.highlight < world:
+            raise ValueError(f"highlight rank {self.highlight} is out of range for world size {world}")
         if axis is not None:
             parse_axes(axis)  # ValueError for an unknown axis
-        self.axes = (axis,) if axis is not None else tuple(a for a in dims.axis_order if getattr(dims, a) > 1)
-        self.max_groups, self.width = max_groups, width
-        self.ncols, col_axes = 1, []
-        for a in dims.axis_order:
-            degree = getattr(dims, a)
-            if self.ncols**2 >= world or (self.ncols > 1 and self.ncols * degree > max_cols):
+        for name, value in (("max_rows", max_rows), ("max_cols", max_cols), ("max_groups", max_groups),
+                            ("max_ranks", max_ranks)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        if axis is not None:
+            self.axes: tuple[str, ...] = (axis,)
+            self.listed: tuple[str, ...] = (axis,)
+        else:
+            shown = []
+            for a in dims.axis_order:
+                if getattr(dims, a) > 1:
+                    shown.append(a)
+                if a == "cp" and dims.cp_ulysses > 1:
+                    shown += [s for s in ("cp_ulysses", "cp_ring") if dims.degree(s) > 1]
+            self.axes, self.listed = tuple(shown), mesh_axes(dims)
+        self.max_groups, self.max_ranks, self.width = max_groups, max_ranks, width
+        self.atoms = [a for a in _atoms(dims) if a.size > 1]
+        self.ncols, col_atoms = 1, []
+        for atom in self.atoms:
+            if self.ncols**2 >= world or (self.ncols > 1 and self.ncols * atom.size > max_cols):
                 break
-            self.ncols *= degree
-            col_axes.append(a)
+            self.ncols *= atom.size
+            col_atoms.append(atom)
         self.nrows = world // self.ncols
-        self.col_axes = [a for a in col_axes if getattr(dims, a) > 1]
-        self.row_axes = [a for a in dims.axis_order if a not in col_axes and getattr(dims, a) > 1]
-        self.grid = torch.arange(world).reshape(self.nrows, self.ncols)[:max_rows, :max_cols]  # ranks shown
+        self.col_atoms = col_atoms
+        self.row_atoms = self.atoms[len(col_atoms):]
+        self.shown_rows = min(self.nrows, max_rows)
+        self.shown_cols = min(self.ncols, max_cols)
 
-    def group_ids(self, axis: str) -> torch.Tensor:
+    # ---- what is shown ------------------------------------------------------------------------------
+    @property
+    def grid(self) -> list[list[int]]:
+        """The ranks shown, row by row (``rank = row * ncols + column``)."""
+        return [[r * self.ncols + c for c in range(self.shown_cols)] for r in range(self.shown_rows)]
+
+    def group_ids(self, axis: str) -> list[list[int]]:
         """Group number (index in ``dims.groups(axis)``) of every rank shown, shaped like :attr:`grid`."""
-        table = self.dims.group_tensor(axis)
-        ids = torch.empty(table.numel(), dtype=torch.int64)
-        ids[table.flatten()] = torch.arange(table.shape[0]).repeat_interleave(table.shape[1])
-        return ids[self.grid]
+        return [[self.dims.group_index(axis, rank) for rank in row] for row in self.grid]
+
+    @property
+    def cut(self) -> bool:
+        return (self.shown_rows, self.shown_cols) != (self.nrows, self.ncols)
+
+    def _row_label(self, row: int) -> str:
+        rank = row * self.ncols
+        return " ".join(f"{a.name}{rank // a.stride % a.size}" for a in self.row_atoms)
+
+    def _col_coords(self) -> list[tuple[str, list[int]]]:
+        return [(a.name, [c // a.stride % a.size for c in range(self.shown_cols)]) for a in self.col_atoms]
 
     def _caption(self, axis: str) -> str:
         size = self.dims.degree(axis)
-        return f"{axis} ({_plural(self.dims.world_size // size, 'group')} of {size})"
+        return f"{axis} ({_plural(self.dims.num_groups(axis), 'group')} of {size})"
 
-    def _row_labels(self) -> list[str]:
-        coords = [self.dims.coords(r) for r in self.grid[:, 0].tolist()]
-        return [" ".join(f"{a}{c[a]}" for a in self.row_axes) for c in coords]
+    def _title(self, rank: int) -> str:
+        d = self.dims
+        coords = " ".join(f"{a}{c}" for a, c in d.coords(rank).items() if a in AXES)
+        if d.cp_ulysses > 1:
+            coords += " (" + " ".join(f"{a}{c}" for a, c in d.sub_coords(rank).items()) + ")"
+        return f"rank {rank}: {coords}"
 
     def _notes(self) -> list[str]:
-        d, (rows, cols) = self.dims, self.grid.shape
+        d = self.dims
+        cp = f"cp {d.cp}" + (f" (cp_ring {d.cp_ring} x cp_ulysses {d.cp_ulysses})" if d.cp_ulysses > 1 else "")
+        formula = " + ".join(a.name if a.stride == 1 else f"{a.stride}*{a.name}" for a in self.atoms) or "0"
         lines = [
-            f"world {d.world_size} = tp {d.tp} x cp {d.cp} x pp {d.pp} x dp {d.dp}, order {d.order} (fastest first)",
-            f"{_plural(self.nrows, 'row')} ({' x '.join(self.row_axes) or '-'}) x {_plural(self.ncols, 'column')} "
-            f"({' x '.join(self.col_axes) or '-'}): rank = row * {self.ncols} + column",
+            f"world {d.world_size} = tp {d.tp} x {cp} x pp {d.pp} x dp {d.dp}, order {d.order} (fastest first)",
+            f"rank = {formula}",
+            f"root DeviceMesh dims {d.mesh_dim_names}, shape {d.mesh_shape}",
+            (f"grid: {_plural(self.nrows, 'row')} ({' x '.join(a.name for a in self.row_atoms) or '-'}) x "
+            f"{_plural(self.ncols, 'column')} ({' x '.join(a.name for a in self.col_atoms) or '-'}), "
+            f"rank = row * {self.ncols} + column"),
         ]
+        if self.axes:
+            lines.append("each axis's grid: a rank's group number on that axis (its index in dims.groups(axis))")
         ones = [a for a in d.axis_order if getattr(d, a) == 1]
+        if d.cp_ulysses > 1 and d.cp_ring == 1:
+            ones.append("cp_ring")
         if len(self.axes) != 1 and ones:
             lines.append(f"size-1 axes (every rank is its own group): {', '.join(ones)}")
-        if (rows, cols) != (self.nrows, self.ncols):
-            shown = f"{rows} of {self.nrows} rows and {cols} of {self.ncols} columns"
-            lines.append(f"showing {shown} ({rows * cols} of {d.world_size} ranks)")
+        if self.cut:
+            r, c = self.shown_rows, self.shown_cols
+            lines.append(
+                f"showing {r} of {self.nrows} rows and {c} of {self.ncols} columns "
+                f"({r * c} of {d.world_size} ranks; the others are left out)"
+            )
         if self.highlight is not None:
             lines.append(f"* = rank {self.highlight}")
         return lines
 
-    def _group_list(self) -> list[str]:
-        table = self.dims.group_tensor(self.axes[0])
-        parts = [f"{i}={format_ranks(g)}" for i, g in enumerate(table[: self.max_groups].tolist())]
-        more = f" ... ({table.shape[0]} groups)" if table.shape[0] > len(parts) else ""
-        text = f"{self.axes[0]} groups: " + " ".join(parts) + more
-        return textwrap.wrap(text, self.width, subsequent_indent="  ", break_on_hyphens=False)
+    def _group_rows(self) -> list[list[str]]:
+        """Per listed axis: name, groups, size, the first groups (as many as fit), a note."""
+        rows, seen = [], {}
+        for axis in self.listed:
+            n, size = self.dims.num_groups(axis), self.dims.degree(axis)
+            key = frozenset(a.name for a in self.atoms if a.name in _member_names(self.dims, axis))
+            notes = [_AXIS_NOTES[axis]] if axis in _AXIS_NOTES else []
+            if key in seen and len(self.listed) > 1:
+                notes.append(f"= {seen[key]}")
+            seen.setdefault(key, axis)
+            rows.append([axis, str(n), str(size), f"  ({'; '.join(notes)})" if notes else "", n])
+        name_w = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(["axis", "groups", "size"]))
+        out = []
+        for axis, n, size, note, count in rows:
+            room = self.width - name_w - len(note)
+            parts = self._listing(axis, count, room)
+            if len(parts) < count:  # cut: make room for the "(N more)" that says so
+                parts = self._listing(axis, count, room - len(f" ({count} more)"))
+            listing = " ".join(parts) + (f" ({count - len(parts)} more)" if count > len(parts) else "")
+            out.append([axis, n, size, listing + note])
+        return out
 
+    def _listing(self, axis: str, count: int, budget: int) -> list[str]:
+        """The first groups of ``axis`` that fit ``budget`` characters (at least one, cut to fit if need be)."""
+        budget = max(24, budget)
+        parts: list[str] = []
+        for i in range(min(count, self.max_groups)):
+            text = f"{i}={_format_group(self.dims, axis, i, self.max_ranks)}"
+            for max_ranks in range(self.max_ranks - 1, 1, -1):  # the first group: fewer ranks until it fits
+                if parts or len(text) <= budget:
+                    break
+                text = f"{i}={_format_group(self.dims, axis, i, max_ranks)}"
+            if parts and sum(len(p) + 1 for p in parts) + len(text) > budget:
+                break
+            parts.append(text)
+        return parts
+
+    # ---- text ---------------------------------------------------------------------------------------
     def __str__(self) -> str:
-        grid = self.grid.tolist()
-        more = (self.grid.shape[0] < self.nrows, self.grid.shape[1] < self.ncols)
+        grid = self.grid
+        more_cols = ["..."] if self.shown_cols < self.ncols else []
+        more_rows = self.shown_rows < self.nrows
+        headers = self._col_coords()
+        labels = ["", *(name for name, _ in headers), *(self._row_label(r) for r in range(self.shown_rows))]
+        labels += ["..."] if more_rows else []
+
+        def block(title: str, cells: list[list[str]]) -> list[str]:
+            rows = [[*map(str, coords), *more_cols] for _, coords in headers] + [[*row, *more_cols] for row in cells]
+            table = format_table(None, rows, align="r" * (len(rows[0]) if rows else 0), sep=" ").split("\n")
+            return [title, *table, *([""] if more_rows else [])]
+
         ranks = [[f"{r}*" if r == self.highlight else str(r) for r in row] for row in grid]
-        blocks = [_text_block("rank", ranks, *more, labels=self._row_labels())]
+        blocks = [block("rank", ranks)]
         for axis in self.axes:
-            ids = [[str(g) for g in row] for row in self.group_ids(axis).tolist()]
-            blocks.append(_text_block(self._caption(axis), ids, *more))
-        lines = [*self._notes(), "", *_side_by_side(blocks, self.width)]
-        if len(self.axes) == 1:
-            lines += self._group_list()
+            blocks.append(block(self._caption(axis), [[str(g) for g in row] for row in self.group_ids(axis)]))
+        lines = [*self._notes(), "", *_side_by_side(labels, blocks, self.width)]
+        what = "groups of every axis" if len(self.listed) > 1 else f"groups of {self.listed[0]}"
+        lines.append(f"{what} (number=[ranks in group order]; a-b = a run of ranks):")
+        lines.append(format_table(["axis", "groups", "size", "groups"], self._group_rows(), align="lrr"))
         return "\n".join(lines).rstrip()
 
     __repr__ = __str__
 
+    # ---- HTML ---------------------------------------------------------------------------------------
     def _td(self, rank: int, axis: str | None, group: int | None) -> str:
-        c = self.dims.coords(rank)
-        title = f"rank {rank}: " + " ".join(f"{a}{c[a]}" for a in AXES) + (f", {axis} group {group}" if axis else "")
+        title = self._title(rank) + (f", {axis} group {group}" if axis else "")
         me = ' class="me"' if rank == self.highlight else ""
-        style = f' style="background:{_colour(group)}"' if axis else ""
-        return f'<td{me}{style} title="{html.escape(title)}">{rank}</td>'
+        style = f' style="{_cell_style(group)}"' if axis else ""
+        text = f"{rank}*" if rank == self.highlight else str(rank)
+        return f'<td{me}{style} title="{html.escape(title)}">{text}</td>'
 
     def _repr_html_(self) -> str:
-        grid, labels = self.grid.tolist(), self._row_labels()
+        grid = self.grid
+        more_cols = self.shown_cols < self.ncols
+        cut_td = '<td class="cut">…</td>' if more_cols else ""
+        header = "".join(
+            f"<tr><th>{html.escape(name)}</th>" + "".join(f"<th>{c}</th>" for c in coords)
+            + ('<th class="cut">…</th>' if more_cols else "") + "</tr>"
+            for name, coords in self._col_coords()
+        )  # fmt: skip
         tables = []
         for axis in self.axes or (None,):
-            ids = self.group_ids(axis).tolist() if axis else [[None] * len(grid[0])] * len(grid)
+            ids = self.group_ids(axis) if axis else [[None] * len(grid[0])] * len(grid)
             rows = [
-                f"<tr><th>{html.escape(label)}</th>"
-                + "".join(self._td(rank, axis, g) for rank, g in zip(row, row_ids)) + "</tr>"
-                for label, row, row_ids in zip(labels, grid, ids)
+                f"<tr><th>{html.escape(self._row_label(r))}</th>"
+                + "".join(self._td(rank, axis, g) for rank, g in zip(row, row_ids)) + cut_td + "</tr>"
+                for r, (row, row_ids) in enumerate(zip(grid, ids))
             ]  # fmt: skip
+            if self.shown_rows < self.nrows:
+                rows.append(f'<tr><th class="cut">…</th><td class="cut" colspan="{len(grid[0]) + more_cols}">'
+                            f"{self.nrows - self.shown_rows} more rows</td></tr>")  # fmt: skip
             caption = html.escape(self._caption(axis) if axis else "ranks")
-            tables.append(f'<table><caption>{caption}</caption>{"".join(rows)}</table>')
-        notes = "<br>".join(map(html.escape, self._notes()))
-        groups = f"<p>{'<br>'.join(map(html.escape, self._group_list()))}</p>" if len(self.axes) == 1 else ""
+            tables.append(f'<table><caption>{caption}</caption>{header}{"".join(rows)}</table>')
+        groups = _html_table(["axis", "groups", "size", "groups (number=[ranks in group order])"],
+                             self._group_rows(), align="lrrl")  # fmt: skip
         return (
-            f'{_STYLE}<div class="wf-mesh-view"><p>{notes}</p>'
+            f'{_STYLE}<div class="wf-mesh-view">{_html_notes(self._notes())}'
             f'<div style="display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start">{"".join(tables)}</div>'
             f"{groups}</div>"
         )
 
 
-def show_topology(dims_or_mesh, axis: str | None = None, **options) -> TopologyView:
+def show_topology(dims_or_mesh: Any, axis: str | None = None, **options: Any) -> TopologyView:
     """``TopologyView(dims_or_mesh, axis, **options)``: the last expression of a notebook cell renders as HTML."""
     return TopologyView(dims_or_mesh, axis, **options)
 
 
-# ---- placement view ---------------------------------------------------------------------------------
-def parse_placement(placement: Placement | str) -> Placement:
-    """A Shard / Replicate / Partial placement, or its short form: ``"S(2)"`` (``"Shard(2)"``), ``"R"``,
-    ``"P"`` (sum) or ``"P(avg)"``. ValueError for anything else (e.g. ``_StridedShard``)."""
-    if isinstance(placement, (Shard, Replicate, Partial)):
+# ---- placements -------------------------------------------------------------------------------------
+class PlacementSpec(NamedTuple):
+    """A placement as the views read it (no torch): ``kind`` is ``"S"`` (Shard ``dim``), ``"R"`` (Replicate)
+    or ``"P"`` (Partial with ``reduce_op``). Prints as DTensor's short form: ``S(2)``, ``R``, ``P(sum)``."""
+
+    kind: str
+    dim: int = 0
+    reduce_op: str = ""
+
+    def __str__(self) -> str:
+        return {"S": f"S({self.dim})", "R": "R", "P": f"P({self.reduce_op})"}[self.kind]
+
+
+_PLACEMENT_HELP = "use Shard/Replicate/Partial or 'S(dim)', 'R', 'P', 'P(avg)'"
+
+
+def _spec(placement: Any) -> PlacementSpec:
+    """A PlacementSpec of a torch Shard / Replicate / Partial or of a short form; ValueError otherwise."""
+    if isinstance(placement, PlacementSpec):
         return placement
     if isinstance(placement, str):
-        m = re.fullmatch(r"(S|Shard|R|Replicate|P|Partial)(?:\((?:dim=)?([^)]*)\))?", placement.replace(" ", ""))
+        m = re.fullmatch(r"(S|Shard|R|Replicate|P|Partial)(?:\((?:dim=|reduce_op=)?([^)]*)\))?",
+                         placement.replace(" ", ""))  # fmt: skip
         kind, arg = (m[1][0], m[2] or "") if m else ("", "")
         if kind == "S" and re.fullmatch(r"-?\d+", arg):
-            return Shard(int(arg))
+            return PlacementSpec("S", int(arg))
         if kind == "R" and not arg:
-            return Replicate()
+            return PlacementSpec("R")
         if kind == "P":
-            return Partial(arg or "sum")
-    raise ValueError(f"unsupported placement {placement!r}: use Shard/Replicate/Partial or 'S(dim)', 'R', 'P(avg)'")
+            return PlacementSpec("P", 0, arg.strip("'\"") or "sum")
+    elif callable(getattr(placement, "is_shard", None)):  # a torch Placement (duck-typed: no torch import)
+        if placement.is_shard() and type(placement).__name__ == "Shard":  # not _StridedShard: another layout
+            return PlacementSpec("S", int(placement.dim))
+        if placement.is_replicate():
+            return PlacementSpec("R")
+        if placement.is_partial():
+            return PlacementSpec("P", 0, str(placement.reduce_op))
+    raise ValueError(f"unsupported placement {placement!r}: {_PLACEMENT_HELP}")
+
+
+def parse_placement(placement: Any) -> Any:
+    """A torch Shard / Replicate / Partial placement from itself or a short form: ``"S(2)"`` (``"Shard(2)"``),
+    ``"R"``, ``"P"`` (sum) or ``"P(avg)"``. ValueError for anything else (e.g. ``_StridedShard``). Imports torch."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    spec = _spec(placement)
+    if not isinstance(placement, (str, PlacementSpec)):
+        return placement  # a torch placement _spec accepts: itself
+    if spec.kind == "S":
+        return Shard(spec.dim)
+    return Replicate() if spec.kind == "R" else Partial(spec.reduce_op)
 
 
 class RankSlice(NamedTuple):
     """What one rank holds: mesh coordinates, slice number (same number = same elements) and per-dim ranges."""
+
     rank: int
     coords: tuple[int, ...]
     slice: int
@@ -360,117 +575,159 @@ class RankSlice(NamedTuple):
 
 class PlacementView:
     """Which rank holds which slice of a tensor: a DTensor (``PlacementView(dtensor)``; its mesh, placements
-    and global shape) or a plan (:meth:`plan`, no processes).
+    and global shape) or a plan (:meth:`plan`, no processes, no torch).
 
-    One row per rank in mesh order: the rank, its mesh coordinates, a slice number (ranks with the same number
-    hold the same elements; replicas or partial terms), per tensor dim ``start:stop`` or ``:`` for the full
-    dim, and the local shape. Placements apply left to right over the mesh axes; each ``Shard(d)`` splits the
-    current range of dim ``d`` in ``torch.chunk`` sizing (DTensor's rule; trailing ranks may get ``n:n``,
-    empty). Text via ``str``, HTML (one colour per slice) via ``_repr_html_``. Rows past ``max_rows`` are cut.
+    One row per rank in mesh order: the rank (``*`` marks the highlighted one: by default this process's rank),
+    its mesh coordinates, a slice number (ranks with the same number hold the same elements: replicas or
+    partial terms), per tensor dim ``start:stop`` or ``:`` for the full dim, and the local shape. Placements
+    apply left to right over the mesh axes: ``S(d)`` (Shard) splits the current range of dim ``d`` in
+    ``torch.chunk`` sizing (DTensor's rule; trailing ranks may get ``n:n``, empty), ``R`` (Replicate) keeps it,
+    ``P`` (Partial) keeps it and each rank holds a term of a sum. Text via ``str``, HTML (one colour per slice)
+    via ``_repr_html_``. Rows past ``max_rows`` are cut, with a line saying how many.
     """
 
-    def __init__(self, dtensor: DTensor, *, dim_names: Sequence[str] | None = None, highlight: int | None = None,
+    def __init__(self, dtensor: Any, *, dim_names: Sequence[str] | None = None, highlight: int | None = None,
                  max_rows: int = 32) -> None:  # fmt: skip
-        if not isinstance(dtensor, DTensor):
+        DTensor = None
+        if "torch" in sys.modules:  # a DTensor exists only once torch is imported
+            from torch.distributed.tensor import DTensor
+        if DTensor is None or not isinstance(dtensor, DTensor):
             raise TypeError(f"PlacementView needs a DTensor, got {type(dtensor).__name__}; use PlacementView.plan(...)")
+        import torch.distributed as dist
+
         mesh = dtensor.device_mesh
         if highlight is None and dist.is_initialized():
             highlight = dist.get_rank()
-        self._setup(dtensor.shape, mesh.mesh, mesh.mesh_dim_names, dtensor.placements, dim_names, highlight, max_rows)
+        ranks = mesh.mesh.flatten().tolist()
+        self._setup(dtensor.shape, tuple(mesh.mesh.shape), ranks, mesh.mesh_dim_names, dtensor.placements,
+                    dim_names, highlight, max_rows)  # fmt: skip
 
     @classmethod
-    def plan(cls, shape: Sequence[int], mesh_shape: int | Sequence[int], placements: Sequence[Placement | str], *,
-             mesh_dim_names: Sequence[str] | None = None, ranks: Sequence | torch.Tensor | None = None,
-             dim_names: Sequence[str] | None = None, highlight: int | None = None, max_rows: int = 32) -> PlacementView:
-        """The view of a tensor of ``shape`` placed on a mesh of ``mesh_shape`` (global ranks ``ranks``, default
-        ``0..N-1`` row-major) with one placement per mesh axis (:func:`parse_placement` forms). Pure."""
-        mesh_shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
-        grid = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape) if ranks is None else torch.as_tensor(ranks)
-        if tuple(grid.shape) != mesh_shape:
-            raise ValueError(f"ranks have shape {tuple(grid.shape)}, but mesh_shape is {mesh_shape}")
+    def plan(cls, shape: Sequence[int], mesh_shape: int | Sequence[int], placements: Sequence[Any], *,
+             mesh_dim_names: Sequence[str] | None = None, ranks: Any = None, dim_names: Sequence[str] | None = None,
+             highlight: int | None = None, max_rows: int = 32) -> PlacementView:  # fmt: skip
+        """The view of a tensor of ``shape`` placed on a mesh of ``mesh_shape`` (global ranks ``ranks``: nested
+        lists or a tensor of that shape, default ``0..N-1`` row-major) with one placement per mesh axis (torch
+        placements or the short forms ``"S(d)"``, ``"R"``, ``"P"``). Pure."""
+        mesh_shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(int(s) for s in mesh_shape)
+        flat = None
+        if ranks is not None:
+            nested = ranks.tolist() if hasattr(ranks, "tolist") else ranks
+            got, flat = _shape_of(nested), []
+            if got != mesh_shape:
+                raise ValueError(f"ranks have shape {got}, but mesh_shape is {mesh_shape}")
+            flat = list(_flatten(nested))
         view = cls.__new__(cls)
-        view._setup(shape, grid, mesh_dim_names, placements, dim_names, highlight, max_rows)
+        view._setup(shape, mesh_shape, flat, mesh_dim_names, placements, dim_names, highlight, max_rows)
         return view
 
-    def _setup(self, shape, ranks, mesh_dim_names, placements, dim_names, highlight, max_rows) -> None:
+    def _setup(self, shape, mesh_shape, ranks, mesh_dim_names, placements, dim_names, highlight, max_rows) -> None:
         self.shape = tuple(int(s) for s in shape)
-        self.ranks = ranks
-        self.mesh_shape = tuple(ranks.shape)
-        self.mesh_dim_names = tuple(mesh_dim_names or (f"axis{i}" for i in range(ranks.ndim)))
+        self.mesh_shape = tuple(mesh_shape)
+        self.num_ranks = math.prod(self.mesh_shape)
+        self._ranks = ranks  # None: 0..N-1
+        self.mesh_dim_names = tuple(mesh_dim_names or (f"axis{i}" for i in range(len(self.mesh_shape))))
         self.dim_names = tuple(dim_names or (f"d{i}" for i in range(len(self.shape))))
         self.highlight, self.max_rows = highlight, max_rows
-        parsed = [parse_placement(p) for p in placements]
-        mesh, tensor = (ranks.ndim, f"mesh {self.mesh_shape}"), (len(self.shape), f"tensor {self.shape}")
+        parsed = [_spec(p) for p in placements]
+        mesh, tensor = (len(self.mesh_shape), f"mesh {self.mesh_shape}"), (len(self.shape), f"tensor {self.shape}")
         for what, names, (n, of) in [("mesh_dim_names", self.mesh_dim_names, mesh), ("placements", parsed, mesh),
                                      ("dim_names", self.dim_names, tensor)]:  # fmt: skip
             if len(names) != n:
                 raise ValueError(f"{what} ({', '.join(map(str, names))}): {len(names)} given for a {n}-D {of}")
         for i, p in enumerate(parsed):
-            if isinstance(p, Shard):
+            if p.kind == "S":
                 if not -len(self.shape) <= p.dim < len(self.shape):
                     raise ValueError(f"{p} on mesh axis {self.mesh_dim_names[i]}: no dim {p.dim} in {self.shape}")
-                parsed[i] = Shard(p.dim % len(self.shape))
-        self.placements: tuple[Placement, ...] = tuple(parsed)
+                parsed[i] = PlacementSpec("S", p.dim % len(self.shape))
+        self.placements: tuple[PlacementSpec, ...] = tuple(parsed)
+
+    def rank_at(self, index: int) -> int:
+        """Global rank of the ``index``-th mesh position (mesh order: last axis fastest)."""
+        return index if self._ranks is None else self._ranks[index]
 
     def rows(self) -> list[RankSlice]:
         """What each shown rank holds (the first ``max_rows`` in mesh order)."""
-        shard_axes = [i for i, p in enumerate(self.placements) if isinstance(p, Shard)]
+        shard_axes = [i for i, p in enumerate(self.placements) if p.kind == "S"]
         out = []
-        coords_in_order = itertools.product(*map(range, self.mesh_shape))  # mesh order: last axis fastest
-        for rank, coords in zip(self.ranks.flatten()[: self.max_rows].tolist(), coords_in_order):
+        positions = itertools.product(*map(range, self.mesh_shape))  # mesh order: last axis fastest
+        for index, coords in enumerate(itertools.islice(positions, self.max_rows)):
             ranges = [(0, n) for n in self.shape]
             for size, p, c in zip(self.mesh_shape, self.placements, coords):
-                if isinstance(p, Shard):  # torch.chunk sizing of the current range
+                if p.kind == "S":  # torch.chunk sizing of the current range
                     start, stop = ranges[p.dim]
-                    step = -(-(stop - start) // size)
-                    begin = min(start + c * step, stop)
-                    ranges[p.dim] = (begin, min(begin + step, stop))
+                    a, b = chunk_range(stop - start, size, c)
+                    ranges[p.dim] = (start + a, start + b)
             number = 0
             for i in shard_axes:
                 number = number * self.mesh_shape[i] + coords[i]
-            out.append(RankSlice(rank, tuple(coords), number, tuple(ranges)))
+            out.append(RankSlice(self.rank_at(index), tuple(coords), number, tuple(ranges)))
         return out
 
     def _notes(self) -> list[str]:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        n_slices = math.prod(s for s, p in zip(self.mesh_shape, self.placements) if isinstance(p, Shard))
+        n_slices = math.prod(s for s, p in zip(self.mesh_shape, self.placements) if p.kind == "S")
         lines = [
             f"shape {self.shape} on mesh {mesh}, placements ({', '.join(map(str, self.placements))})",
-            f"{_plural(self.ranks.numel(), 'rank')}, {_plural(n_slices, 'distinct slice')} "
-            "(same slice = same index ranges)",
+            (f"{_plural(self.num_ranks, 'rank')}, {_plural(n_slices, 'distinct slice')} "
+            "(same slice = same index ranges)"),
         ]
         for name, p in zip(self.mesh_dim_names, self.placements):
-            if isinstance(p, Partial):
+            if p.kind == "P":
                 lines.append(f"partial over {name}: each rank holds a term; the value is their {p.reduce_op}")
+        if self.highlight is not None:
+            lines.append(f"* = rank {self.highlight}")
         return lines
 
-    def _table(self) -> tuple[list[str], list[list[str]]]:
+    def _cut_note(self, shown: int) -> list[str]:
+        if shown >= self.num_ranks:
+            return []
+        return [(f"... {_plural(self.num_ranks - shown, 'more rank')} not shown ({shown} of {self.num_ranks}; "
+                f"max_rows={self.max_rows})")]  # fmt: skip
+
+    def _table(self, rows: list[RankSlice]) -> tuple[list[str], list[list[str]]]:
         head = ["rank", *self.mesh_dim_names, "slice", *self.dim_names, "local shape"]
         body = []
-        for r in self.rows():
+        for r in rows:
             spans = [":" if (a, b) == (0, n) else f"{a}:{b}" for (a, b), n in zip(r.ranges, self.shape)]
             rank = f"{r.rank}*" if r.rank == self.highlight else str(r.rank)
             body.append([rank, *map(str, r.coords), str(r.slice), *spans, str(r.local_shape)])
         return head, body
 
     def __str__(self) -> str:
-        head, body = self._table()
-        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body]]
-        if len(body) < self.ranks.numel():
-            lines.append(f"... {_plural(self.ranks.numel() - len(body), 'more rank')}")
-        return "\n".join([*self._notes(), "", *lines])
+        rows = self.rows()
+        head, body = self._table(rows)
+        table = format_table(head, body, align="r" * len(head))
+        return "\n".join([*self._notes(), "", table, *self._cut_note(len(rows))])
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        head, body = self._table()
-        rows = ["<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
-        for r, cells in zip(self.rows(), body):
+        rows = self.rows()
+        head, body = self._table(rows)
+        out = [_html_rows([head], "th")]
+        for r, cells in zip(rows, body):
             me = ' class="me"' if r.rank == self.highlight else ""
             tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
-            rows.append(f'<tr{me} style="background:{_colour(r.slice)}" title="slice {r.slice}">{tds}</tr>')
-        notes = "<br>".join(map(html.escape, self._notes()))
-        return (
-            f'{_STYLE}<div class="wf-mesh-view"><p>{notes}</p><table>{"".join(rows)}</table></div>'
-        )
+            out.append(f'<tr{me} style="{_cell_style(r.slice)}" title="slice {r.slice}">{tds}</tr>')
+        cut = self._cut_note(len(rows))
+        if cut:
+            out.append(f'<tr><td class="cut" colspan="{len(head)}" style="text-align:left">'
+                       f"{html.escape(cut[0])}</td></tr>")  # fmt: skip
+        return f'{_STYLE}<div class="wf-mesh-view">{_html_notes(self._notes())}<table>{"".join(out)}</table></div>'
+
+
+def _shape_of(nested: Any) -> tuple[int, ...]:
+    shape = []
+    while isinstance(nested, (list, tuple)):
+        shape.append(len(nested))
+        nested = nested[0] if nested else None
+    return tuple(shape)
+
+
+def _flatten(nested: Any) -> Iterator[int]:
+    if isinstance(nested, (list, tuple)):
+        for item in nested:
+            yield from _flatten(item)
+    else:
+        yield int(nested)

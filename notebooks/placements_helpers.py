@@ -1,31 +1,37 @@
-"""Per-rank functions for exploring placements from a notebook or a REPL (``notebooks/placements.ipynb``).
+"""Per-rank functions of ``placements.ipynb``: each runs on every rank of a :class:`~wf_mesh.testing.LocalCluster`.
 
-A function defined in a notebook cannot be sent to spawned worker processes (they cannot import
-``__main__``), so the notebook runs these, each on every rank of a :class:`~wf_mesh.testing.LocalCluster`::
+A function defined in a notebook cannot be sent to the cluster's workers (they cannot import the kernel's
+``__main__``), so the notebook's distributed steps live here, next to it. The workers import this module by
+name: the notebook puts this folder on ``sys.path`` before it starts the cluster (the workers are forked from a
+server process that the first cluster starts with the kernel's ``sys.path``)::
 
-    from wf_mesh.testing import LocalCluster
-    from wf_mesh import tour
+    import sys; sys.path.insert(0, "<this folder>")
+    import placements_helpers as helpers
     cluster = LocalCluster(4).start()
-    pieces = cluster.run(tour.latent_pieces, (1, 4, 8, 8, 8), cp=4)   # one dict per rank
+    pieces = cluster.run(helpers.latent_pieces, (1, 4, 2, 8, 8), cp=4)   # one dict per rank
 
-Each builds its own mesh (the cluster destroys it after every call) and returns plain, picklable values:
-views as text, shapes, and collective counts from CommDebugMode.
+Each function builds its own mesh (the cluster destroys it after every call) and returns plain, picklable
+values: views as text and as HTML (``PlacementView(dtensor)`` on the rank), shapes, collective counts.
 """
 
 from __future__ import annotations
+
+import logging
+import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from wf_mesh.ema import ShardedEMA
-from wf_mesh.mesh import init_parallel
-from wf_mesh.topology import ParallelDims
-from wf_mesh.video import plan_video_split
-from wf_mesh.viz import PlacementView, parse_placement
+import wf_mesh
+from wf_mesh import ParallelDims, PlacementView, init_parallel, plan_video_split
+from wf_mesh.viz import parse_placement
 
-__all__ = ["fsdp_ema_shards", "latent_pieces", "redistribute_costs"]
+__all__ = ["TRANSITIONS", "fsdp_ema_shards", "latent_pieces", "redistribute_costs"]
+
+PATCH = (1, 2, 2)
+"""Patch size (T, H, W) of the video model: a patch token covers ``1 x 2 x 2`` latent positions."""
 
 
 def _seeded(shape: tuple[int, ...]) -> torch.Tensor:
@@ -33,23 +39,27 @@ def _seeded(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def latent_pieces(shape: tuple[int, int, int, int, int], cp: int) -> dict:
-    """Shard a ``(B, C, T, H, W)`` latent over ``cp`` ranks with :func:`~wf_mesh.plan_video_split`; return this
-    rank's block, its token shape, whether a gather restores the latent, and the placement view of the
-    token sequence."""
+    """Shard a ``(B, C, T, H, W)`` latent over ``cp`` ranks with :func:`~wf_mesh.plan_video_split` (time first,
+    then height); return this rank's (T, H) block, its sequence shape ``(B, latent positions, C)``, its patch
+    tokens (positions / patch size), whether a gather restores the latent, and the placement view of the token
+    sequence (a real DTensor) as text and HTML."""
     mesh = init_parallel(ParallelDims(cp=cp))
     latent = _seeded(shape)
-    split = plan_video_split(shape, cp)
+    split = plan_video_split(shape, cp, PATCH)
     sequence = split.shard(latent, as_dtensor=True)
     tokens = sequence.to_local()
     t_block, h_block = split.block(mesh.rank("cp"))
+    view = PlacementView(sequence, dim_names=("B", "positions", "C"))
     return {
         "rank": dist.get_rank(),
         "cp_rank": mesh.rank("cp"),
         "t": (t_block.start, t_block.stop),
         "h": (h_block.start, h_block.stop),
-        "tokens": tuple(tokens.shape),
+        "sequence": tuple(tokens.shape),
+        "patch_tokens": tokens.shape[1] // math.prod(PATCH),
         "restored": torch.equal(split.gather(tokens), latent),
-        "view": str(PlacementView(sequence, dim_names="BNC")),
+        "view": str(view),
+        "html": view._repr_html_(),
     }
 
 
@@ -67,6 +77,9 @@ TRANSITIONS = [
 def redistribute_costs(shape: tuple[int, ...] = (4, 8, 6), transitions=TRANSITIONS) -> list[dict]:
     """Redistribute a tensor between placements on the ``(dp, cp)`` axes of a dp=2 x cp=2 mesh and count the
     collectives each change issues (CommDebugMode); checks every result against the full tensor."""
+    # gloo has no all-to-all: DTensor falls back to an all-gather and logs a warning saying so (the notebook
+    # says it in words instead).
+    logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
     mesh = init_parallel(ParallelDims(cp=2))
     submesh = mesh.root["dp", "cp"]
     full = _seeded(shape)
@@ -91,28 +104,29 @@ def redistribute_costs(shape: tuple[int, ...] = (4, 8, 6), transitions=TRANSITIO
 
 def fsdp_ema_shards(dp_replicate: int | None = None, steps: int = 2) -> dict:
     """FSDP2 (``fully_shard`` over the dp_cp axis, or HSDP with ``dp_replicate``) on a tiny MLP, a few AdamW
-    steps with :class:`~wf_mesh.ShardedEMA`; return the placement views of a weight and of its EMA shard."""
+    steps with :class:`~wf_mesh.ShardedEMA`; return the placement views (text and HTML) of the first Linear's
+    weight ``(out, in)`` and of its EMA shard."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_parallel(ParallelDims(cp=2), dp_replicate=dp_replicate)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 3))
     fully_shard(model, mesh=mesh.hsdp_mesh() if dp_replicate else mesh.fsdp_mesh())
-    ema = ShardedEMA(model, beta=0.9)
+    ema = wf_mesh.ShardedEMA(model, beta=0.9)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
-        loss = model(_seeded((4, 6)) + step).square().mean()
-        loss.backward()
+        model(_seeded((4, 6)) + step).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         ema.update(model)
-    weight = model[0].weight
+    weight = PlacementView(model[0].weight, dim_names=("out", "in"))
     ema_weight = ema.state_dict()["0.weight"]
+    ema_view = PlacementView(ema_weight, dim_names=("out", "in"))
     return {
         "rank": dist.get_rank(),
-        "weight": str(PlacementView(weight, dim_names="OI")),
-        "ema": str(PlacementView(ema_weight, dim_names="OI")),
+        "weight": str(weight),
+        "weight_html": weight._repr_html_(),
+        "ema": str(ema_view),
         "ema_local": tuple(ema_weight.to_local().shape),
         "ema_dtype": str(ema_weight.dtype),
-        "loss": loss.item(),
     }

@@ -1,0 +1,251 @@
+"""CP attention benchmark: wf_mesh.cp_attention's ring / ulysses / usp vs the all-gather baseline, side by side.
+
+Runs on local gloo processes (CPU, one thread per rank) at cp 2 and cp 4 (usp: 2 ring x 2 ulysses at cp 4;
+at cp 2 it would be ring or ulysses), on a (B, H, S, D) fp32 problem with GQA (Hkv = H / 2), non-causal and
+causal (causal with ``balance="zigzag"`` for every method). Per method:
+
+1. seconds per forward+backward: median over interleaved trials of the slowest rank, as a ratio to allgather
+   and to single-process SDPA (``F.scaled_dot_product_attention``, fwd+bwd) on the full sequence in this
+   process with one thread. With more ranks than cores the ranks share cores: the ratio to SDPA is then
+   an upper bound of what separate devices would see.
+2. bytes sent per rank per forward+backward, counted from the c10d ops dispatched on the rank (a
+   TorchDispatchMode): ``send``: the tensor; ``all_to_all``: the input minus the rank's own split;
+   ``all_gather``: the input to each of the n-1 peers; ``reduce_scatter``: (n-1)/n of the input (the ops are
+   seen through ``wf_mesh._compat.c10d_ops``: CommDebugMode does not see point-to-point ops). Against the
+   theory (local shard sizes; kv = local k + v, q = local q, e = element bytes, U/R = ulysses/ring size):
+   ring ``(n-1)kv`` fwd, ``(n-1)kv + n kv_fp32`` bwd (dK/dV travel in fp32); ulysses ``(2q+kv)(U-1)/U`` each
+   way; usp the sum of both parts; allgather ``(n-1)kv`` fwd and bwd; plus the agreement's all-gather
+   (``48 * 8 * (n-1)`` bytes) in forward.
+3. peak extra K/V memory in forward: the live bytes of receive buffers holding K/V (tracked per storage, from
+   the c10d call that fills it until it is freed), as a fraction of the full sequence's K/V; also what is
+   still held after forward (saved for backward). Receive buffers of P2P and all-gather are K/V by
+   construction; an all-to-all buffer counts as K/V when its size is a K/V head shard's (q and output shards
+   are twice as large with Hkv = H / 2). Theory: ring min(2, n-1)/n (the block received last + the one in
+   flight), ulysses 1/n, usp (1 + min(2, R-1))/n (the all-to-all output + ring blocks), allgather 1.
+
+Ratio rows (benchmarks/_report.py): time per trial / allgather in the same trial, and / the median
+single-process SDPA (no target: CPU timings on shared cores are reported only); bytes sent / theory and peak
+K/V / the full K/V, with the theory as the target (exact counts).
+
+    python benchmarks/cp_attention.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import weakref
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _report import (  # benchmarks/ is on sys.path
+    equals,
+    format_rows,
+    per_trial,
+    ratio_row,
+    write_json,
+)
+from _timing import compare_trials, timed_dist, timed_local
+from torch.distributed.device_mesh import init_device_mesh
+
+import wf_mesh
+from wf_mesh import _compat
+from wf_mesh.agreement import ROW
+from wf_mesh.attention import cp_attention, zigzag_shard
+from wf_mesh.testing import LocalCluster
+
+METHODS = ("allgather", "ring", "ulysses", "usp")
+
+
+class Traffic:
+    """Bytes this rank sends through c10d ops, and the live receive buffers (K/V ones separately), while
+    ``with traffic.mode:`` is active."""
+
+    def __init__(self, kv_numel: int) -> None:
+        self.kv_numel = kv_numel
+        self.sent = 0
+        self.live: dict[int, tuple[int, bool]] = {}
+        self.kv_bytes = self.all_bytes = self.kv_peak = self.all_peak = 0
+        self.mode = _compat.c10d_ops(self._on_op)
+
+    def _on_op(self, name: str, args: tuple) -> None:
+        if name == "send":
+            self.sent += sum(t.nbytes for t in args[0])
+        elif name == "recv_":
+            for t in args[0]:
+                self._track(t, True)
+        elif name == "alltoall_base_":
+            out, inp, pg, _, in_splits = args[:5]
+            group = dist.ProcessGroup.unbox(pg)
+            rows = inp.shape[0]
+            own = in_splits[group.rank()] if in_splits else rows // group.size()
+            self.sent += (rows - own) * (inp.nbytes // rows if rows else 0)
+            self._track(out, out.numel() == self.kv_numel)
+        elif name in ("_allgather_base_", "_reduce_scatter_base_"):
+            out, inp, pg = args[:3]
+            n = dist.ProcessGroup.unbox(pg).size()
+            self.sent += inp.nbytes * (n - 1) // (n if name == "_reduce_scatter_base_" else 1)
+            if out.is_floating_point():  # not the agreement's int64 row
+                self._track(out, name == "_allgather_base_")
+
+    def _track(self, t: torch.Tensor, kv: bool) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self.live:
+            return
+        self.live[key] = (storage.nbytes(), kv)
+        self.all_bytes += storage.nbytes()
+        self.kv_bytes += storage.nbytes() if kv else 0
+        self.all_peak, self.kv_peak = max(self.all_peak, self.all_bytes), max(self.kv_peak, self.kv_bytes)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        nbytes, kv = self.live.pop(key)
+        self.all_bytes -= nbytes
+        self.kv_bytes -= nbytes if kv else 0
+
+
+def sample(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int, trials: int) -> dict:
+    b, h, hkv, s, d = dims
+    n = dist.get_world_size()
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=n))
+    meshes = {"allgather": pm, "ring": pm, "ulysses": pm}
+    if n >= 4:
+        meshes["usp"] = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    balance = "zigzag" if causal else None
+
+    def shard(x):
+        return zigzag_shard(x, 2, mesh=pm) if causal else wf_mesh.shard_sequence(x, 2, mesh=pm, as_dtensor=False)
+
+    shapes = [(b, h, s, d), (b, hkv, s, d), (b, hkv, s, d)]
+    q, k, v = (shard(sample(shape, seed)).requires_grad_() for seed, shape in enumerate(shapes))
+    dout = shard(sample((b, h, s, d), 3))
+
+    def step(method):
+        q.grad = k.grad = v.grad = None
+        out = cp_attention(q, k, v, method=method, mesh=meshes[method], causal=causal, balance=balance)
+        out.backward(dout)
+        return out
+
+    reference = step("allgather").detach()
+    for method in meshes:
+        assert torch.allclose(step(method), reference, atol=1e-4), method
+    seconds = compare_trials({m: partial(step, m) for m in meshes}, iters, trials, timed_dist)
+    traffic = {}
+    for method, mesh in meshes.items():
+        q.grad = k.grad = v.grad = None
+        fwd = Traffic(kv_numel=k.numel())
+        with fwd.mode:
+            out = cp_attention(q, k, v, method=method, mesh=mesh, causal=causal, balance=balance)
+        held = fwd.kv_bytes
+        bwd = Traffic(kv_numel=k.numel())
+        with bwd.mode:
+            out.backward(dout)
+        traffic[method] = {"sent_fwd": fwd.sent, "sent_bwd": bwd.sent, "kv_peak_fwd": fwd.kv_peak,
+                           "kv_held_after_fwd": held, "inbound_peak_bwd": bwd.all_peak}  # fmt: skip
+    return {"seconds": seconds, "traffic": traffic}
+
+
+def sdpa_seconds(dims, causal: bool, iters: int, trials: int) -> list[float]:
+    b, h, hkv, s, d = dims
+    shapes = [(b, h, s, d), (b, hkv, s, d), (b, hkv, s, d)]
+    q, k, v = (sample(shape, seed).requires_grad_() for seed, shape in enumerate(shapes))
+    dout = sample((b, h, s, d), 3)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True).backward(dout)
+
+    step()
+    return [timed_local(step, iters) for _ in range(trials)]
+
+
+def theory(method: str, dims, n: int, elem: int = 4) -> dict[str, float]:
+    """Bytes one rank must send (fwd, bwd) and the peak K/V it holds as a fraction of the full K/V."""
+    b, h, hkv, s, d = dims
+    local = s // n
+    q, kv, kv32 = b * h * local * d * elem, 2 * b * hkv * local * d * elem, 2 * b * hkv * local * d * 4
+    agree = ROW * 8 * (n - 1)
+    ring, uly = {"allgather": (1, 1), "ring": (n, 1), "ulysses": (1, n), "usp": (n // 2, 2)}[method]
+    if method == "allgather":
+        return {"fwd": agree + (n - 1) * kv, "bwd": (n - 1) * kv, "kv_peak": 1.0, "kv_peak_text": "= 1"}
+    a2a = (2 * q + kv) * (uly - 1) / uly
+    fwd = agree + a2a + (ring - 1) * kv
+    bwd = a2a + ((ring - 1) * kv + ring * kv32 if ring > 1 else 0)
+    blocks = (uly > 1) + min(2, ring - 1)  # the all-to-all output; the received ring blocks
+    return {"fwd": fwd, "bwd": bwd, "kv_peak": blocks / n, "kv_peak_text": f"= {blocks}/{n}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
+    parser.add_argument("--json", help="also write the ratio rows and results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # like every rank of the cluster
+    dims = (1, 8, 4, 256, 32) if args.quick else (1, 8, 4, 2048, 64)  # B, H, Hkv, S, D (Hkv divisible by U)
+    iters, trials = (1, 3) if args.quick else (2, 5)
+    b, _, hkv, s, d = dims
+    full_kv = 2 * b * hkv * s * d * 4
+    results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "dtype": "float32", "full_kv_bytes": full_kv,
+                     "dims": dict(zip(["B", "H", "Hkv", "S", "D"], dims)), "sdpa_seconds": {}, "cp": {}}  # fmt: skip
+    for causal in (False, True):
+        results["sdpa_seconds"]["causal" if causal else "full"] = sdpa_seconds(dims, causal, iters, trials)
+    for n in (2, 4):
+        cluster = LocalCluster(n).start()
+        try:
+            results["cp"][n] = {
+                "causal" if causal else "full": cluster.run(bench_methods, dims, causal, iters, trials)[0]
+                for causal in (False, True)
+            }
+        finally:
+            cluster.shutdown()
+
+    rows = []
+
+    def row(measurement, ratios, target=None):
+        rows.append(ratio_row("cp_attention", measurement, ratios, target, quick=args.quick))
+
+    print(f"# wf_mesh CP attention benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, "
+          "1 thread per rank")  # fmt: skip
+    print(f"# (B, H, Hkv, S, D) = {dims} fp32; time = fwd+bwd, median of {trials} interleaved trials, slowest rank")
+    for n, modes in results["cp"].items():
+        for mode, run in modes.items():
+            sdpa = statistics.median(results["sdpa_seconds"][mode])
+            times, base = run["seconds"], run["seconds"]["allgather"]
+            print(f"\n## cp {n}, {'causal (zigzag shards)' if mode == 'causal' else 'non-causal'}: single-process SDPA "
+                  f"{sdpa * 1e3:.1f} ms; K/V of the full sequence {full_kv / 2**20:.2f} MiB")  # fmt: skip
+            print(f"{'method':>9} {'ms':>8} {'/allgather':>10} {'/sdpa':>6} {'MiB sent':>9} {'/theory':>8} "
+                  f"{'peak K/V fwd':>13} {'theory':>7} {'held':>6} {'bwd inbound':>12}")  # fmt: skip
+            for method, samples in times.items():
+                t, th = run["traffic"][method], theory(method, dims, n)
+                sent, sent_theory = t["sent_fwd"] + t["sent_bwd"], th["fwd"] + th["bwd"]
+                sec = statistics.median(samples)
+                print(f"{method:>9} {sec * 1e3:>8.1f} {sec / statistics.median(base):>10.2f} {sec / sdpa:>6.2f} "
+                      f"{sent / 2**20:>9.2f} {sent / sent_theory:>8.3f} {t['kv_peak_fwd'] / full_kv:>13.3f} "
+                      f"{th['kv_peak']:>7.3f} {t['kv_held_after_fwd'] / full_kv:>6.3f} "
+                      f"{t['inbound_peak_bwd'] / full_kv:>12.3f}")  # fmt: skip
+                t["theory"] = th
+                prefix = f"cp {n} {mode}: {method}"
+                if method != "allgather":
+                    row(f"{prefix} / allgather, fwd+bwd time", per_trial(samples, base))
+                row(f"{prefix} / single-process SDPA, fwd+bwd time", [x / sdpa for x in samples])
+                if mode == "full":  # bytes and memory are the same with causal
+                    row(f"{prefix}: bytes sent per rank / theory", sent / sent_theory, equals(1.0, "= 1"))
+                    row(f"{prefix}: peak extra K/V in forward / full K/V", t["kv_peak_fwd"] / full_kv,
+                        equals(th["kv_peak"], th["kv_peak_text"]))  # fmt: skip
+    print("\npeak K/V fwd / held / bwd inbound: fractions of the full sequence's K/V (held = kept for backward;"
+          " bwd inbound = every receive buffer in backward, fp32 dK/dV included)\n")  # fmt: skip
+    print(format_rows(rows))
+    if args.json:
+        write_json(args.json, "cp_attention", args.quick, rows, results)
+
+
+if __name__ == "__main__":
+    main()
