@@ -10,10 +10,13 @@ re-exported from :mod:`wf_mesh`; the Megatron / MAGI accessors live in :mod:`wf_
 from wf_mesh.legacy.context_parallel import (
     broadcast_split_tensor,
     cat_outputs_cp,
+    cat_outputs_cp_object_list,
     cat_outputs_cp_with_grad,
     find_split,
     mesh_for_group,
+    robust_broadcast,
     split_inputs_cp,
+    split_inputs_cp_object_list,
 )
 from wf_mesh.legacy.ema import DTensorFastEmaModelUpdater, get_local_tensor_if_dtensor
 from wf_mesh.legacy.pipeline import PPScheduler, init_pp_scheduler, pp_scheduler, pp_scheduler_or_none
@@ -24,6 +27,7 @@ __all__ = [
     "PPScheduler",
     "broadcast_split_tensor",
     "cat_outputs_cp",
+    "cat_outputs_cp_object_list",
     "cat_outputs_cp_with_grad",
     "dist_init",
     "find_split",
@@ -35,5 +39,7 @@ __all__ = [
     "mesh_for_group",
     "pp_scheduler",
     "pp_scheduler_or_none",
+    "robust_broadcast",
     "split_inputs_cp",
+    "split_inputs_cp_object_list",
 ]

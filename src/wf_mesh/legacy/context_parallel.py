@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from wf_mesh import agreement, parallel_state
+from wf_mesh.collectives import _pickle_allowed, broadcast
 from wf_mesh.context_parallel import (
     broadcast_shard,
     gather_sequence,
@@ -151,3 +152,98 @@ def find_split(
     split = plan_video_split((b, c, t // view_factor, h, w), cp_size, patch_values)
     parallel_state.cp_size_t = split.cp_t
     return torch.Size(split.local_thw)
+
+
+# ---- added for wf_mesh.compat.worldfoundry.context_parallel ---------------------------------------------------
+__all__ += ["cat_outputs_cp_object_list", "robust_broadcast", "split_inputs_cp_object_list"]
+
+
+def robust_broadcast(
+    tensor: torch.Tensor | None, src: int, pg: dist.ProcessGroup | None = None, is_check_shape: bool = False
+) -> torch.Tensor:
+    """The original's tensor broadcast from global rank ``src`` over ``pg``, on :func:`wf_mesh.broadcast`.
+
+    Receivers may pass None or a tensor of any shape with the source's ndim and dtype (ShapeMismatchError on
+    every rank otherwise); every rank, the source included, gets the source's tensor on the group's device
+    (the source's tensor may live on any device). ``pg=None`` is the default group; a one-rank group returns
+    the tensor moved to its device.
+
+    ``src`` must be the group's first (smallest) rank, the one source the native broadcast has: any other
+    member raises NotImplementedError (on every rank, as every rank passes the same ``src``), a non-member
+    ValueError. ``is_check_shape`` is accepted and ignored: ndim and dtype are always agreed on.
+    Without torch.distributed the tensor comes back as is.
+    """
+    if not dist.is_initialized():
+        return tensor
+    group = dist.group.WORLD if pg is None else pg
+    ranks = dist.get_process_group_ranks(group)
+    src = as_int("robust_broadcast: src", src, minimum=0)
+    if src not in ranks:
+        raise ValueError(f"robust_broadcast: src={src} is not a rank of the group {ranks}")
+    if src != ranks[0]:
+        raise NotImplementedError(
+            f"robust_broadcast: src={src} is not the group's first rank {ranks[0]} (group {ranks}); wf_mesh "
+            "broadcasts from a group's first rank only: pass a group whose smallest rank is the source"
+        )
+    out = broadcast(tensor, group)
+    if not isinstance(out, torch.Tensor):  # the same verdict on every rank: receivers got the source's type
+        raise TypeError(f"robust_broadcast sends a tensor; the source (rank {src}) passed {type(out).__name__}")
+    return out.to(agreement.comm_device(group))
+
+
+def _block(length: int, parts: int, index: int) -> slice:
+    """Block ``index`` of ``length`` items cut into ``parts`` contiguous blocks whose sizes differ by at most one,
+    the larger ones first (``torch.tensor_split``'s rule)."""
+    base, extra = divmod(length, parts)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (index < extra))
+
+
+def split_inputs_cp_object_list(object_list: list, cp_group: dist.ProcessGroup | None = None) -> list:
+    """This rank's contiguous block of a Python list (block r for group rank r); no collective.
+
+    Any length works: with ``n`` items on ``k`` ranks, the first ``n % k`` ranks get ``n // k + 1`` items and the
+    others ``n // k`` (ranks past the end get an empty list), so :func:`cat_outputs_cp_object_list` puts the
+    list back together in order. A divisible length gives the original's equal blocks. ``cp_group=None`` or a
+    one-rank group returns ``object_list`` itself; otherwise a slice of it (same sequence type).
+    """
+    if _off(cp_group):
+        return object_list
+    rank = dist.get_rank(cp_group)
+    if rank < 0:
+        raise ValueError(f"split_inputs_cp_object_list: rank {dist.get_rank()} is not a member of cp_group")
+    return object_list[_block(len(object_list), dist.get_world_size(cp_group), rank)]
+
+
+def cat_outputs_cp_object_list(
+    object_list: list, cp_group: dist.ProcessGroup | None = None, *, allow_pickle: bool | None = None
+) -> list:
+    """Every rank's list concatenated in group-rank order (ranks may hold different lengths, also zero).
+
+    ``cp_group=None`` or a one-rank group returns ``object_list`` itself. The items travel pickled
+    (``all_gather_object``), so every rank must allow pickle (``allow_pickle``, default the environment's
+    ``WF_MESH_ALLOW_PICKLE``): one refusing rank makes every rank raise TypeError before anything is pickled.
+    A value that is not a list or tuple: TypeError on every rank. A failed gather raises
+    ``RuntimeError("Failed to gather objects")`` chained to its cause.
+    """
+    if _off(cp_group):
+        return object_list
+    pickle_ok = _pickle_allowed(allow_pickle)
+
+    def facts() -> list[int]:
+        if not isinstance(object_list, (list, tuple)):
+            raise TypeError(f"object_list must be a list or tuple, got {type(object_list).__name__}")
+        if not pickle_ok:
+            raise TypeError(
+                "the objects travel pickled and pickle is off on this rank (allow_pickle=False or "
+                "WF_MESH_ALLOW_PICKLE=0)"
+            )
+        return [len(object_list)]
+
+    agreement.agree(cp_group, facts, what="cat_outputs_cp_object_list", required=True)
+    gathered: list = [None] * dist.get_world_size(cp_group)
+    try:
+        dist.all_gather_object(gathered, list(object_list), group=cp_group)
+    except RuntimeError as e:
+        raise RuntimeError("Failed to gather objects") from e
+    return [item for part in gathered for item in part]

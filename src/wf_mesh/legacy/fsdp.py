@@ -1,0 +1,142 @@
+"""``hsdp_device_mesh`` of ``worldfoundry.core.distributed.fsdp_runtime``: the 2-D ``("replicate", "shard")``
+DeviceMesh over the whole world for HSDP ``fully_shard``, taken from the one mesh where it can be.
+
+The original builds ``init_device_mesh(device, (replicas, shard_size))``: shard groups are blocks of
+consecutive ranks, replicate groups take every ``shard_size``-th rank. When the current
+:class:`~wf_mesh.mesh.ParallelMesh` was built with ``dp_replicate`` and its HSDP view
+(:meth:`~wf_mesh.mesh.ParallelMesh.hsdp_mesh`) has exactly those groups (tp = pp = 1, dp and cp in the default
+order), that view is returned: no new process group. Otherwise the mesh is built once per
+``(replicas, shard size, device)`` with the default group's timeout, kept for later calls, and destroyed
+together with the model-parallel state (``destroy_model_parallel()``, ``ParallelMesh.destroy()``), with or
+without a current mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from wf_mesh import _compat, agreement
+from wf_mesh.mesh import parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.topology import as_int
+
+__all__ = ["hsdp_device_mesh", "hsdp_rank_grid", "hsdp_sizes"]
+
+DEFAULT_MAX_SHARD = 8
+_DEVICE_TYPES = ("cpu", "cuda")
+
+_meshes: dict[tuple[int, int, str], DeviceMesh] = {}
+
+
+def _release(destroy_process_groups: bool) -> None:
+    meshes = list(_meshes.values())
+    _meshes.clear()
+    for mesh in meshes:
+        _compat.release_meshes(mesh, [], destroy_groups=destroy_process_groups)
+
+
+register_destroy_hook(_release)
+
+
+def hsdp_sizes(
+    world_size: int, replica_group_size: int | None = None, sharding_group_size: int | None = None
+) -> tuple[int, int]:
+    """``(replicas, shard size)`` as the original resolves them; pure.
+
+    The shard size defaults to ``min(world_size, 8)`` and is capped at the world size; the replica count
+    defaults to ``world_size // shard size``. ValueError unless the shard size divides the world and
+    replicas x shard size is the world size.
+    """
+    if sharding_group_size is None:
+        shard = min(world_size, DEFAULT_MAX_SHARD)
+    else:
+        shard = min(as_int("sharding_group_size", sharding_group_size, minimum=1), world_size)
+    if world_size % shard:
+        raise ValueError(f"world size {world_size} is not divisible by the sharding group size {shard}")
+    if replica_group_size is None:
+        replicas = world_size // shard
+    else:
+        replicas = as_int("replica_group_size", replica_group_size, minimum=1)
+    if replicas * shard != world_size:
+        raise ValueError(
+            f"replica_group_size={replicas} x sharding group size {shard} = {replicas * shard} is not the world "
+            f"size {world_size}; the HSDP mesh spans every rank (leave replica_group_size=None to infer it)"
+        )
+    return replicas, shard
+
+
+def hsdp_rank_grid(replicas: int, shard: int) -> torch.Tensor:
+    """Global ranks of the HSDP mesh, shape ``(replicas, shard)``: row i is a shard group, column j a
+    replicate group (the original's ``init_device_mesh`` layout); pure."""
+    return torch.arange(replicas * shard).reshape(replicas, shard)
+
+
+def _device_type(device: str | torch.device | None) -> str:
+    if device is None:
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind not in _DEVICE_TYPES:
+        raise ValueError(f"device={device!r}: use one of {list(_DEVICE_TYPES)} (or None: the default group's)")
+    return kind
+
+
+def hsdp_device_mesh(
+    replica_group_size: int | None = None,
+    sharding_group_size: int | None = None,
+    device: str | torch.device | None = None,
+) -> DeviceMesh:
+    """The ``("replicate", "shard")`` DeviceMesh over every rank (module docstring); collective.
+
+    Args:
+        replica_group_size: number of replicas (default: world size // shard size).
+        sharding_group_size: ranks per shard group (default ``min(world_size, 8)``, capped at the world size).
+        device: ``"cpu"`` or ``"cuda"`` (a device index is ignored); default None: ``"cuda"`` when the default
+            group uses NCCL, else ``"cpu"`` (the original defaulted to ``"cuda"``).
+
+    Raises (on every rank, before any group is created): ValueError for sizes that do not fit the world or an
+    unknown device, TypeError for a size that is not an int, DisagreementError when ranks pass different
+    arguments; RuntimeError without torch.distributed.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "hsdp_device_mesh needs torch.distributed: call wf_mesh.dist_init(config) or "
+            "torch.distributed.init_process_group(...) first"
+        )
+    world = dist.get_world_size()
+    resolved: list = []
+
+    def facts() -> list[int]:
+        replicas, shard = hsdp_sizes(world, replica_group_size, sharding_group_size)
+        kind = _device_type(device)
+        resolved[:] = [replicas, shard, kind]
+        return [replicas, shard, _DEVICE_TYPES.index(kind)]
+
+    agreed = agreement.agree(dist.group.WORLD, facts, what="hsdp_device_mesh", required=True)
+    agreed.require_same(
+        "(replicas, shard size, device)",
+        lambda row: (row[0], row[1], _DEVICE_TYPES[row[2]]),
+        hint="; every rank must pass the same arguments",
+    )
+    replicas, shard, kind = resolved
+    grid = hsdp_rank_grid(replicas, shard)
+    current = parallel_mesh_or_none()
+    if current is not None and current.hsdp_enabled:
+        view = current.hsdp_mesh()
+        if view.device_type == kind and view.mesh.shape == grid.shape and torch.equal(view.mesh.cpu(), grid):
+            return view
+    key = (replicas, shard, kind)
+    cached = _meshes.get(key)
+    if cached is not None and _compat.mesh_is_live(cached):
+        return cached
+    options = _compat.backend_options(dist.get_backend(), _compat.default_group_timeout())
+    # a dim spanning the world gets no options: torch then reuses the default group for it
+    override = {name: options for name, size in (("replicate", replicas), ("shard", shard)) if size != world}
+    mesh = init_device_mesh(
+        kind,
+        (replicas, shard),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override=(override if options is not None and override else None),
+    )
+    _meshes[key] = mesh
+    return mesh

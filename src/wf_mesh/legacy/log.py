@@ -1,0 +1,59 @@
+"""The rank-aware ``log`` object of ``worldfoundry.core.distributed.logging``, on wf_mesh's loguru records.
+
+``log.info("step {}", 3, rank0_only=True)`` formats like loguru and, with ``rank0_only=True``, logs on global
+rank 0 only (always without torch.distributed). Every record carries the rank like
+:func:`~wf_mesh.log.print_rank_0`'s: ``extra["rank"]``, ``extra["coords"]`` and the ``[rank r tp.. cp..]`` tag
+in front of the message, and is attributed to the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from loguru import logger
+
+from wf_mesh.log import rank_tag
+from wf_mesh.mesh import parallel_mesh_or_none
+
+__all__ = ["RankAwareLog", "log"]
+
+
+class RankAwareLog:
+    """loguru's level methods plus ``rank0_only`` (see the module docstring); ``logger`` is loguru's logger."""
+
+    logger = logger
+
+    def _write(self, level: str, message: object, args: tuple, kwargs: dict, rank0_only: bool) -> None:
+        distributed = dist.is_initialized()
+        if rank0_only and distributed and dist.get_rank() != 0:
+            return
+        mesh = parallel_mesh_or_none()
+        tag = rank_tag()
+        bound = logger.bind(rank=dist.get_rank() if distributed else None, coords=mesh.coords() if mesh else None)
+        # depth=2: the record names the caller of log.info (not _write / info); the tag has no braces, so
+        # loguru's "{}" formatting of args still applies to the message alone.
+        getattr(bound.opt(depth=2), level)(f"{tag} {message}" if tag else message, *args, **kwargs)
+
+    def debug(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        self._write("debug", message, args, kwargs, rank0_only)
+
+    def info(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        self._write("info", message, args, kwargs, rank0_only)
+
+    def success(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        self._write("success", message, args, kwargs, rank0_only)
+
+    def warning(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        self._write("warning", message, args, kwargs, rank0_only)
+
+    warn = warning
+
+    def error(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        self._write("error", message, args, kwargs, rank0_only)
+
+    def critical(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        self._write("critical", message, args, kwargs, rank0_only)
+
+
+log = RankAwareLog()
