@@ -82,3 +82,10 @@ def test_plan_commands_run(command):
     args = shlex.split(command)[1:]
     proc = subprocess.run([sys.executable, "-m", "wf_mesh.cli", *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "world" in proc.stdout, proc.stderr
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    commands = re.findall(r"^(python3 -m venv \.venv && .*)$", README.read_text(), flags=re.M)
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert len(commands) == 2 and ci.index(commands[0]) < ci.index(commands[1])
+    assert "[test]" not in commands[0] and "demo" in commands[0]  # the first runs before any test extra
