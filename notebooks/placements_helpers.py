@@ -28,7 +28,7 @@ import wf_mesh
 from wf_mesh import ParallelDims, PlacementView, init_parallel, plan_video_split
 from wf_mesh.viz import parse_placement
 
-__all__ = ["TRANSITIONS", "fsdp_ema_shards", "latent_pieces", "redistribute_costs"]
+__all__ = ["TRANSITIONS", "attention_shards", "fsdp_ema_shards", "latent_pieces", "redistribute_costs"]
 
 PATCH = (1, 2, 2)
 """Patch size (T, H, W) of the video model: a patch token covers ``1 x 2 x 2`` latent positions."""
@@ -129,4 +129,37 @@ def fsdp_ema_shards(dp_replicate: int | None = None, steps: int = 2) -> dict:
         "ema": str(ema_view),
         "ema_local": tuple(ema_weight.to_local().shape),
         "ema_dtype": str(ema_weight.dtype),
+    }
+
+
+def attention_shards(seq_len: int = 30, heads: int = 4, cp: int = 4, cp_ulysses: int = 2) -> dict:
+    """Who holds which tokens and heads at each stage of CP attention on a (cp_ring x cp_ulysses) split, and
+    each method's largest difference from single-process SDPA (the gathered forward output)."""
+    import torch.nn.functional as F
+
+    from wf_mesh.sizing import chunk_range
+
+    mesh = init_parallel(ParallelDims(cp=cp, cp_ulysses=cp_ulysses))
+    c, u = mesh.rank("cp"), mesh.rank("cp_ulysses")
+    q, k, v = (_seeded((1, heads, seq_len, 8)) * (i + 1) for i in range(3))  # the same on every rank
+    want = F.scaled_dot_product_attention(q, k, v)
+    group = mesh.ranks("cp_ulysses")  # the Ulysses group: consecutive cp ranks, contiguous tokens
+    tokens = [chunk_range(seq_len, cp, mesh.dims.coords(r)["cp"]) for r in group]
+    per = heads // cp_ulysses
+    errors = {}
+    for method in ("ring", "ulysses", "usp", "allgather"):
+        shards = [wf_mesh.shard_sequence(t, seq_dim=2).detach().requires_grad_() for t in (q, k, v)]
+        out = wf_mesh.cp_attention(*shards, method=method)
+        full = wf_mesh.gather_sequence(out, seq_dim=2)
+        errors[method] = (full - want).abs().max().item()
+    return {
+        "rank": dist.get_rank(),
+        "cp": c,
+        "ring": mesh.rank("cp_ring"),
+        "ulysses": u,
+        "tokens": chunk_range(seq_len, cp, c),
+        "usp_heads": (u * per, (u + 1) * per),
+        "usp_tokens": (tokens[0][0], tokens[-1][1]),
+        "ring_peers": mesh.ranks("cp_ring"),
+        "max_error": errors,
     }
