@@ -7,7 +7,8 @@ Measures, in one run on local gloo processes (CPU):
    ("raw reused": on CPU, glibc maps and unmaps such large blocks on every allocation, so reuse saves the page
    faults; CUDA's caching allocator makes both the same); also the legacy ``cat_outputs_cp`` (which first
    agrees on shapes with a tiny header all-gather);
-2. per-call overhead on a small (2, 8, 16) tensor: the same three paths, in microseconds per call;
+2. per-call overhead on a small (2, 8, 16) tensor: the same three paths, in microseconds per call, the DTensor
+   gather with the agreement exchange off (its cost), and ``wf_mesh.broadcast`` vs a raw ``dist.broadcast``;
 3. ``broadcast_split_tensor`` (a scatter: each receiver gets its shard) vs broadcast-then-split: bytes each
    receiver gets and time.
 Each timing is the median over interleaved trials of the slowest rank. Ratios > 1 mean wf_mesh is slower.
@@ -36,6 +37,7 @@ from _report import (  # benchmarks/ is on sys.path
 from _timing import compare_trials, timed_dist
 
 import wf_mesh
+from wf_mesh import agreement
 from wf_mesh.testing import LocalCluster
 from wf_mesh.viz import format_table
 
@@ -58,13 +60,27 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, l
         dist.all_gather_single(out, local, group=group)
         return torch.cat(out.chunk(cp, 0), dim=1)
 
+    def unchecked():  # the same call with the validation-only agreement exchange off (WF_MESH_CHECKS=0)
+        agreement._set_checks(False)
+        try:
+            return wf_mesh.gather_sequence(dt)
+        finally:
+            agreement._set_checks(True)
+
+    def raw_broadcast():
+        dist.broadcast(local, group=group, group_src=0)
+        return local
+
     assert torch.equal(raw(), full) and torch.equal(wf_mesh.gather_sequence(dt), full)
     return compare_trials(
         {
             "raw": raw,
             "raw_reused": raw_reused,
             "wf_mesh": lambda: wf_mesh.gather_sequence(dt),
+            "wf_mesh_unchecked": unchecked,
             "legacy": lambda: wf_mesh.cat_outputs_cp(local, 1, group),
+            "raw_broadcast": raw_broadcast,
+            "broadcast": lambda: wf_mesh.broadcast(local, group),
         },
         iters,
         trials,
@@ -111,6 +127,12 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
     for cp, s in results["small"].items():
         overhead = (med(s["wf_mesh"]) - med(s["raw"])) * 1e6
         row(f"small gather cp {cp}: wf_mesh / raw ({overhead:+.0f} us/call)", per_trial(s["wf_mesh"], s["raw"]))
+        agreement_us = (med(s["wf_mesh"]) - med(s["wf_mesh_unchecked"])) * 1e6
+        row(f"small gather cp {cp}: checks on / off (agreement {agreement_us:+.0f} us/call)",
+            per_trial(s["wf_mesh"], s["wf_mesh_unchecked"]))  # fmt: skip
+        overhead = (med(s["broadcast"]) - med(s["raw_broadcast"])) * 1e6
+        row(f"small broadcast cp {cp}: wf_mesh.broadcast / dist.broadcast ({overhead:+.0f} us/call)",
+            per_trial(s["broadcast"], s["raw_broadcast"]))  # fmt: skip
     for cp, b in results["broadcast_split"].items():
         share = b["bytes_per_receiver"] / b["broadcast_bytes_per_receiver"]
         row(f"broadcast_split cp {cp}: bytes per receiver / broadcast", share, equals(1 / cp, f"= 1/{cp}"))
