@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import re
 
 import torch
@@ -45,3 +46,36 @@ class Opaque:
 def exec_block(source: str, name: str = "<README block>") -> None:
     """Run a README code block as a script (its asserts check what its comments claim)."""
     exec(compile(source, name, "exec"), {"__name__": "__main__"})
+
+
+def expand(listing: str) -> list[int]:
+    """A rank list as the views print it (uncut), e.g. "[0-3,8,9]", back to ranks."""
+    ranks = []
+    for part in listing.strip("[]").split(","):
+        a, _, b = part.partition("-")
+        ranks += range(int(a), int(b or a) + 1)
+    return ranks
+
+
+def listed_groups(text: str) -> dict[str, list[list[int]]]:
+    """The groups of every axis in a view's group list (the rows after 'axis  groups  size  groups')."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["axis", "groups", "size"])
+    return {line.split()[0]: [expand(g) for g in re.findall(r"\d+=(\[[\d,-]+\])", line)] for line in lines[start + 1 :]}
+
+
+MARKER = "WF_MESH_TEST_MARKER"
+"""Environment variable that tests put on the processes they start, to find every descendant later."""
+
+
+def marked(marker: str) -> list[int]:
+    """Live processes whose environment carries ``MARKER=marker``."""
+    entry, found = f"{MARKER}={marker}".encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found

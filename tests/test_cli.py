@@ -14,6 +14,7 @@ from argparse import Namespace
 import pytest
 
 import wf_mesh
+from helpers import listed_groups
 from wf_mesh import cli, demo
 from wf_mesh.testing import run_distributed
 from wf_mesh.viz import TopologyView, mesh_axes
@@ -27,19 +28,8 @@ def run_cli(*args, timeout=TIMEOUT):
     )
 
 
-def expand(listing: str) -> list[int]:
-    ranks = []
-    for part in listing.strip("[]").split(","):
-        a, _, b = part.partition("-")
-        ranks += range(int(a), int(b or a) + 1)
-    return ranks
 
 
-def listed_groups(text: str) -> dict[str, list[list[int]]]:
-    """The groups of every axis in the plan's group list (the rows after 'axis  groups  size  groups')."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["axis", "groups", "size"])
-    return {line.split()[0]: [expand(g) for g in re.findall(r"\d+=(\[[\d,-]+\])", line)] for line in lines[start + 1:]}
 
 
 # ---- plan -------------------------------------------------------------------------------------------

@@ -16,10 +16,11 @@ import uuid
 
 import pytest
 
+from helpers import MARKER, marked
+
 pytestmark = pytest.mark.slow  # every test here starts processes of its own
 
 TIMEOUT = 240  # seconds for both nodes together (each starts an agent and a worker that import torch)
-MARKER = "WF_MESH_TEST_MARKER"
 
 
 def free_port() -> int:
@@ -39,17 +40,6 @@ def start_node(endpoint: str, rdzv_id: str, marker: str, *extra: str) -> subproc
                             env=env)  # fmt: skip
 
 
-def marked(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker``."""
-    entry, found = f"{MARKER}={marker}".encode(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def wait_all(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:

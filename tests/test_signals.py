@@ -16,24 +16,14 @@ import pytest
 
 from wf_mesh.cli import ProcessTree
 
+from helpers import MARKER, marked
+
 pytestmark = pytest.mark.slow  # every test here starts processes of its own
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = "WF_MESH_TEST_MARKER"
 TIMEOUT = 240
 
 
-def marked(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker``."""
-    entry, found = f"{MARKER}={marker}".encode(), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def start(cmd: list[str], marker: str) -> subprocess.Popen:

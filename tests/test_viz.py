@@ -16,6 +16,7 @@ from torch.distributed.tensor import (
 )
 
 import wf_mesh
+from helpers import listed_groups
 from wf_mesh import ParallelDims
 from wf_mesh.testing import run_distributed
 from wf_mesh.viz import (
@@ -74,20 +75,8 @@ def assert_readable_on_any_theme(page: str):
     assert "caption{white-space:nowrap" in page
 
 
-def expand(listing: str) -> list[int]:
-    """A rank list as format_ranks prints it (uncut), e.g. "[0-3,8,9]", back to ranks."""
-    ranks = []
-    for part in listing.strip("[]").split(","):
-        a, _, b = part.partition("-")
-        ranks += range(int(a), int(b or a) + 1)
-    return ranks
 
 
-def listed_groups(text: str) -> dict[str, list[list[int]]]:
-    """The groups of every axis in a view's group list (the rows after 'axis  groups  size  groups')."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["axis", "groups", "size"])
-    return {line.split()[0]: [expand(g) for g in re.findall(r"\d+=(\[[\d,-]+\])", line)] for line in lines[start + 1:]}
 
 
 # ---- format_table and format_ranks ------------------------------------------------------------------
