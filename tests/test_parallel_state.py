@@ -253,7 +253,7 @@ def test_embedding_group_outside_it():
         ({"pp_size": 2, "pipeline_model_parallel_size": 2}, TypeError, "got both pp_size=2 and pipeline_model"),
         ({"get_embedding_ranks": [0]}, TypeError, "get_embedding_ranks must be a callable"),
         ({"create_gloo_process_groups": 1}, TypeError, "create_gloo_process_groups must be a bool, got 1"),
-        ({"distributed_timeout_minutes": 0}, ValueError, "distributed_timeout_minutes must be > 0, got 0"),
+        ({"distributed_timeout_minutes": 0}, ValueError, "distributed_timeout_minutes=0 must be > 0"),
         ({"distributed_timeout_minutes": "30"}, TypeError, "distributed_timeout_minutes must be a number"),
         ({"expert_model_parallel_size": 4}, NotImplementedError, "expert_model_parallel_size=4 (expert parallelism)"),
         ({"tp_size": 2, "expert_tensor_parallel_size": 1}, NotImplementedError,

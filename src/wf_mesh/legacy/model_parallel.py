@@ -202,7 +202,7 @@ def initialize_model_parallel(
             raise TypeError(f"{name} must be a callable f(pipeline_ranks) -> ranks or None, got {fn!r}")
     if not isinstance(create_gloo_process_groups, bool):
         raise TypeError(f"create_gloo_process_groups must be a bool, got {create_gloo_process_groups!r}")
-    timeout = _timeout(distributed_timeout_minutes)
+    timeout = timeout_minutes(distributed_timeout_minutes)
     _refuse_unsupported(
         _or_one(tp),
         expert_model_parallel_size=expert_model_parallel_size,
@@ -272,11 +272,12 @@ def _or_one(value: int | None) -> int:
     return 1 if value is None else value
 
 
-def _timeout(minutes: float) -> datetime.timedelta:
+def timeout_minutes(minutes: float, name: str = "distributed_timeout_minutes") -> datetime.timedelta:
+    """A positive number of minutes as a timedelta; TypeError / ValueError name ``name`` and the value."""
     if isinstance(minutes, bool) or not isinstance(minutes, numbers.Real):
-        raise TypeError(f"distributed_timeout_minutes must be a number, got {type(minutes).__name__} {minutes!r}")
+        raise TypeError(f"{name} must be a number of minutes, got {type(minutes).__name__} {minutes!r}")
     if not minutes > 0:
-        raise ValueError(f"distributed_timeout_minutes must be > 0, got {minutes!r}")
+        raise ValueError(f"{name}={minutes!r} must be > 0")
     return datetime.timedelta(minutes=float(minutes))
 
 

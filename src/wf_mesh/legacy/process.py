@@ -132,7 +132,7 @@ def rank0_first(func: F) -> F:
             if first:
                 try:
                     result.append(func(*args, **kwargs))
-                except BaseException as exc:  # noqa: BLE001 - reported to every rank, re-raised below
+                except BaseException as exc:
                     failure.append(exc)
                     raise
             return []

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from wf_mesh.legacy.model_parallel import timeout_minutes
 from wf_mesh.legacy.pipeline import init_pp_scheduler, pp_scheduler_or_none
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, init_parallel, parallel_mesh_or_none
 from wf_mesh.topology import ParallelDims, as_int
@@ -40,14 +41,7 @@ def _dp(config: Any) -> int:
 
 def _timeout(config: Any) -> datetime.timedelta:
     minutes = _read(config, "distributed_timeout_minutes", 30)
-    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)):
-        raise TypeError(
-            f"dist_init: config distributed_timeout_minutes must be a number of minutes, got "
-            f"{type(minutes).__name__} {minutes!r}"
-        )
-    if not minutes > 0:
-        raise ValueError(f"dist_init: config distributed_timeout_minutes={minutes!r} must be > 0")
-    return datetime.timedelta(minutes=minutes)
+    return timeout_minutes(minutes, "dist_init: config distributed_timeout_minutes")
 
 
 def _backend(config: Any) -> str:
