@@ -28,9 +28,19 @@ from typing import Any, NamedTuple
 from wf_mesh.viz import format_table
 
 __all__ = [
-    "NOT_JUDGED", "ROW_KEYS", "Target", "above", "at_most", "below", "equals", "format_rows", "per_trial",
-    "ratio_row", "read_rows", "write_json",
-]  # fmt: skip
+    "NOT_JUDGED",
+    "ROW_KEYS",
+    "Target",
+    "above",
+    "at_most",
+    "below",
+    "equals",
+    "format_rows",
+    "per_trial",
+    "ratio_row",
+    "read_rows",
+    "write_json",
+]
 
 ROW_KEYS = ("benchmark", "measurement", "ratio", "low", "high", "target", "meets")
 """The keys of a ratio row, in table order."""
@@ -67,7 +77,9 @@ def equals(value: float, text: str) -> Target:
 def per_trial(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
     """Trial-by-trial ratios of two paths measured in the same trials."""
     if len(numerator) != len(denominator) or not numerator:
-        raise ValueError(f"per-trial ratios need as many trials on both sides, got {len(numerator)} and {len(denominator)}")
+        raise ValueError(
+            f"per-trial ratios need as many trials on both sides, got {len(numerator)} and {len(denominator)}"
+        )
     return [a / b for a, b in zip(numerator, denominator)]
 
 
@@ -85,8 +97,15 @@ def ratio_row(
         meets = NOT_JUDGED
     else:
         meets = "yes" if target.ok(median) else "NO"
-    return {"benchmark": benchmark, "measurement": measurement, "ratio": median, "low": min(values),
-            "high": max(values), "target": target.text if target else "", "meets": meets}  # fmt: skip
+    return {
+        "benchmark": benchmark,
+        "measurement": measurement,
+        "ratio": median,
+        "low": min(values),
+        "high": max(values),
+        "target": target.text if target else "",
+        "meets": meets,
+    }
 
 
 def check_row(row: Any, where: str = "row") -> Row:
@@ -107,8 +126,7 @@ def write_json(path: str, benchmark: str, quick: bool, rows: list[Row], results:
     for i, row in enumerate(rows):
         check_row(row, f"{benchmark} row {i}")
     with open(path, "w") as f:
-        json.dump({"benchmark": benchmark, "quick": quick, "rows": rows, "results": results}, f, indent=2,
-                  default=str)  # fmt: skip
+        json.dump({"benchmark": benchmark, "quick": quick, "rows": rows, "results": results}, f, indent=2, default=str)
 
 
 def read_rows(path: str, benchmark: str) -> tuple[list[Row], dict]:
@@ -135,5 +153,6 @@ def format_rows(rows: Iterable[Row]) -> str:
     for r in rows:
         spread = "" if r["low"] == r["high"] else f"{_number(r['low'])}-{_number(r['high'])}"
         body.append([r["benchmark"], r["measurement"], _number(r["ratio"]), spread, r["target"], r["meets"]])
-    return format_table(["benchmark", "measurement", "ratio", "low-high", "target", "meets"], body, align="llrr",
-                        rule=True)  # fmt: skip
+    return format_table(
+        ["benchmark", "measurement", "ratio", "low-high", "target", "meets"], body, align="llrr", rule=True
+    )

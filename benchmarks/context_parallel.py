@@ -26,6 +26,12 @@ import statistics
 
 import torch
 import torch.distributed as dist
+
+import wf_mesh
+from wf_mesh import agreement
+from wf_mesh.testing import LocalCluster
+from wf_mesh.viz import format_table
+
 from _report import (  # benchmarks/ is on sys.path
     at_most,
     equals,
@@ -35,11 +41,6 @@ from _report import (  # benchmarks/ is on sys.path
     write_json,
 )
 from _timing import compare_trials, timed_dist
-
-import wf_mesh
-from wf_mesh import agreement
-from wf_mesh.testing import LocalCluster
-from wf_mesh.viz import format_table
 
 
 def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, list[float]]:
@@ -128,16 +129,22 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
         overhead = (med(s["wf_mesh"]) - med(s["raw"])) * 1e6
         row(f"small gather cp {cp}: wf_mesh / raw ({overhead:+.0f} us/call)", per_trial(s["wf_mesh"], s["raw"]))
         agreement_us = (med(s["wf_mesh"]) - med(s["wf_mesh_unchecked"])) * 1e6
-        row(f"small gather cp {cp}: checks on / off (agreement {agreement_us:+.0f} us/call)",
-            per_trial(s["wf_mesh"], s["wf_mesh_unchecked"]))  # fmt: skip
+        row(
+            f"small gather cp {cp}: checks on / off (agreement {agreement_us:+.0f} us/call)",
+            per_trial(s["wf_mesh"], s["wf_mesh_unchecked"]),
+        )
         overhead = (med(s["broadcast"]) - med(s["raw_broadcast"])) * 1e6
-        row(f"small broadcast cp {cp}: wf_mesh.broadcast / dist.broadcast ({overhead:+.0f} us/call)",
-            per_trial(s["broadcast"], s["raw_broadcast"]))  # fmt: skip
+        row(
+            f"small broadcast cp {cp}: wf_mesh.broadcast / dist.broadcast ({overhead:+.0f} us/call)",
+            per_trial(s["broadcast"], s["raw_broadcast"]),
+        )
     for cp, b in results["broadcast_split"].items():
         share = b["bytes_per_receiver"] / b["broadcast_bytes_per_receiver"]
         row(f"broadcast_split cp {cp}: bytes per receiver / broadcast", share, equals(1 / cp, f"= 1/{cp}"))
-        row(f"broadcast_split cp {cp}: time scatter / broadcast-then-split",
-            per_trial(b["broadcast_split_tensor"], b["broadcast_then_split"]))  # fmt: skip
+        row(
+            f"broadcast_split cp {cp}: time scatter / broadcast-then-split",
+            per_trial(b["broadcast_split_tensor"], b["broadcast_then_split"]),
+        )
     return rows
 
 
@@ -149,8 +156,14 @@ def main() -> None:
     big = (2, 512, 128) if args.quick else (2, 4096, 1024)
     iters, trials = (2, 2) if args.quick else (5, 5)
     small_iters = 10 if args.quick else 200
-    results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "big_shape": big, "gather": {}, "small": {},
-                     "broadcast_split": {}}  # fmt: skip
+    results: dict = {
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "big_shape": big,
+        "gather": {},
+        "small": {},
+        "broadcast_split": {},
+    }
     for cp in (2, 4):
         cluster = LocalCluster(cp).start()
         try:
@@ -165,8 +178,18 @@ def main() -> None:
     table = []
     for cp, r in results["gather"].items():
         raw, wf, legacy, reused = (med(r[k]) for k in ("raw", "wf_mesh", "legacy", "raw_reused"))
-        table.append([cp, f"{raw * 1e3:.2f}", f"{wf * 1e3:.2f}", f"{wf / raw:.2f}", f"{legacy * 1e3:.2f}",
-                      f"{legacy / raw:.2f}", f"{reused * 1e3:.2f}", f"{wf / reused:.2f}"])  # fmt: skip
+        table.append(
+            [
+                cp,
+                f"{raw * 1e3:.2f}",
+                f"{wf * 1e3:.2f}",
+                f"{wf / raw:.2f}",
+                f"{legacy * 1e3:.2f}",
+                f"{legacy / raw:.2f}",
+                f"{reused * 1e3:.2f}",
+                f"{wf / reused:.2f}",
+            ]
+        )
     head = ["cp", "raw ms", "wf_mesh ms", "ratio", "legacy ms", "ratio", "raw reused ms", "wf_mesh/reused"]
     print(format_table(head, table, align="r" * len(head)))
     print("\n## per-call cost on a small (2, 8, 16) tensor (us per call; overhead = wf_mesh - raw)")
@@ -180,8 +203,16 @@ def main() -> None:
     table = []
     for cp, r in results["broadcast_split"].items():
         bcast, scatter = med(r["broadcast_then_split"]), med(r["broadcast_split_tensor"])
-        table.append([cp, f"{full_bytes // cp:,}", f"1/{cp} of {full_bytes:,}", f"{bcast * 1e3:.2f}",
-                      f"{scatter * 1e3:.2f}", f"{scatter / bcast:.2f}"])  # fmt: skip
+        table.append(
+            [
+                cp,
+                f"{full_bytes // cp:,}",
+                f"1/{cp} of {full_bytes:,}",
+                f"{bcast * 1e3:.2f}",
+                f"{scatter * 1e3:.2f}",
+                f"{scatter / bcast:.2f}",
+            ]
+        )
     head = ["cp", "bytes/receiver", "vs broadcast", "bcast+split ms", "scatter ms", "ratio"]
     print(format_table(head, table, align="r" * len(head)))
     rows = ratio_rows(results, args.quick)

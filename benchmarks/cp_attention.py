@@ -41,6 +41,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import wf_mesh
+from wf_mesh import _compat
+from wf_mesh.agreement import ROW
+from wf_mesh.attention import cp_attention, zigzag_shard
+from wf_mesh.testing import LocalCluster
+
 from _report import (  # benchmarks/ is on sys.path
     equals,
     format_rows,
@@ -49,13 +57,6 @@ from _report import (  # benchmarks/ is on sys.path
     write_json,
 )
 from _timing import compare_trials, timed_dist, timed_local
-from torch.distributed.device_mesh import init_device_mesh
-
-import wf_mesh
-from wf_mesh import _compat
-from wf_mesh.agreement import ROW
-from wf_mesh.attention import cp_attention, zigzag_shard
-from wf_mesh.testing import LocalCluster
 
 METHODS = ("allgather", "ring", "ulysses", "usp")
 
@@ -148,8 +149,13 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
         bwd = Traffic(kv_numel=k.numel())
         with bwd.mode:
             out.backward(dout)
-        traffic[method] = {"sent_fwd": fwd.sent, "sent_bwd": bwd.sent, "kv_peak_fwd": fwd.kv_peak,
-                           "kv_held_after_fwd": held, "inbound_peak_bwd": bwd.all_peak}  # fmt: skip
+        traffic[method] = {
+            "sent_fwd": fwd.sent,
+            "sent_bwd": bwd.sent,
+            "kv_peak_fwd": fwd.kv_peak,
+            "kv_held_after_fwd": held,
+            "inbound_peak_bwd": bwd.all_peak,
+        }
     return {"seconds": seconds, "traffic": traffic}
 
 
@@ -193,8 +199,15 @@ def main() -> None:
     iters, trials = (1, 3) if args.quick else (2, 5)
     b, _, hkv, s, d = dims
     full_kv = 2 * b * hkv * s * d * 4
-    results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "dtype": "float32", "full_kv_bytes": full_kv,
-                     "dims": dict(zip(["B", "H", "Hkv", "S", "D"], dims)), "sdpa_seconds": {}, "cp": {}}  # fmt: skip
+    results: dict = {
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "dtype": "float32",
+        "full_kv_bytes": full_kv,
+        "dims": dict(zip(["B", "H", "Hkv", "S", "D"], dims)),
+        "sdpa_seconds": {},
+        "cp": {},
+    }
     for causal in (False, True):
         results["sdpa_seconds"]["causal" if causal else "full"] = sdpa_seconds(dims, causal, iters, trials)
     for n in (2, 4):
@@ -212,25 +225,32 @@ def main() -> None:
     def row(measurement, ratios, target=None):
         rows.append(ratio_row("cp_attention", measurement, ratios, target, quick=args.quick))
 
-    print(f"# wf_mesh CP attention benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, "
-          "1 thread per rank")  # fmt: skip
+    print(
+        f"# wf_mesh CP attention benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, 1 thread per rank"
+    )
     print(f"# (B, H, Hkv, S, D) = {dims} fp32; time = fwd+bwd, median of {trials} interleaved trials, slowest rank")
     for n, modes in results["cp"].items():
         for mode, run in modes.items():
             sdpa = statistics.median(results["sdpa_seconds"][mode])
             times, base = run["seconds"], run["seconds"]["allgather"]
-            print(f"\n## cp {n}, {'causal (zigzag shards)' if mode == 'causal' else 'non-causal'}: single-process SDPA "
-                  f"{sdpa * 1e3:.1f} ms; K/V of the full sequence {full_kv / 2**20:.2f} MiB")  # fmt: skip
-            print(f"{'method':>9} {'ms':>8} {'/allgather':>10} {'/sdpa':>6} {'MiB sent':>9} {'/theory':>8} "
-                  f"{'peak K/V fwd':>13} {'theory':>7} {'held':>6} {'bwd inbound':>12}")  # fmt: skip
+            print(
+                f"\n## cp {n}, {'causal (zigzag shards)' if mode == 'causal' else 'non-causal'}: single-process SDPA "
+                f"{sdpa * 1e3:.1f} ms; K/V of the full sequence {full_kv / 2**20:.2f} MiB"
+            )
+            print(
+                f"{'method':>9} {'ms':>8} {'/allgather':>10} {'/sdpa':>6} {'MiB sent':>9} {'/theory':>8} "
+                f"{'peak K/V fwd':>13} {'theory':>7} {'held':>6} {'bwd inbound':>12}"
+            )
             for method, samples in times.items():
                 t, th = run["traffic"][method], theory(method, dims, n)
                 sent, sent_theory = t["sent_fwd"] + t["sent_bwd"], th["fwd"] + th["bwd"]
                 sec = statistics.median(samples)
-                print(f"{method:>9} {sec * 1e3:>8.1f} {sec / statistics.median(base):>10.2f} {sec / sdpa:>6.2f} "
-                      f"{sent / 2**20:>9.2f} {sent / sent_theory:>8.3f} {t['kv_peak_fwd'] / full_kv:>13.3f} "
-                      f"{th['kv_peak']:>7.3f} {t['kv_held_after_fwd'] / full_kv:>6.3f} "
-                      f"{t['inbound_peak_bwd'] / full_kv:>12.3f}")  # fmt: skip
+                print(
+                    f"{method:>9} {sec * 1e3:>8.1f} {sec / statistics.median(base):>10.2f} {sec / sdpa:>6.2f} "
+                    f"{sent / 2**20:>9.2f} {sent / sent_theory:>8.3f} {t['kv_peak_fwd'] / full_kv:>13.3f} "
+                    f"{th['kv_peak']:>7.3f} {t['kv_held_after_fwd'] / full_kv:>6.3f} "
+                    f"{t['inbound_peak_bwd'] / full_kv:>12.3f}"
+                )
                 t["theory"] = th
                 prefix = f"cp {n} {mode}: {method}"
                 if method != "allgather":
@@ -238,10 +258,15 @@ def main() -> None:
                 row(f"{prefix} / single-process SDPA, fwd+bwd time", [x / sdpa for x in samples])
                 if mode == "full":  # bytes and memory are the same with causal
                     row(f"{prefix}: bytes sent per rank / theory", sent / sent_theory, equals(1.0, "= 1"))
-                    row(f"{prefix}: peak extra K/V in forward / full K/V", t["kv_peak_fwd"] / full_kv,
-                        equals(th["kv_peak"], th["kv_peak_text"]))  # fmt: skip
-    print("\npeak K/V fwd / held / bwd inbound: fractions of the full sequence's K/V (held = kept for backward;"
-          " bwd inbound = every receive buffer in backward, fp32 dK/dV included)\n")  # fmt: skip
+                    row(
+                        f"{prefix}: peak extra K/V in forward / full K/V",
+                        t["kv_peak_fwd"] / full_kv,
+                        equals(th["kv_peak"], th["kv_peak_text"]),
+                    )
+    print(
+        "\npeak K/V fwd / held / bwd inbound: fractions of the full sequence's K/V (held = kept for backward;"
+        " bwd inbound = every receive buffer in backward, fp32 dK/dV included)\n"
+    )
     print(format_rows(rows))
     if args.json:
         write_json(args.json, "cp_attention", args.quick, rows, results)

@@ -26,17 +26,18 @@ import time
 
 import torch
 import torch.distributed as dist
+
+import wf_mesh
+from wf_mesh import PipelineP2P, PPScheduler
+from wf_mesh.testing import LocalCluster
+from wf_mesh.viz import format_table
+
 from _report import (  # benchmarks/ is on sys.path
     format_rows,
     per_trial,
     ratio_row,
     write_json,
 )
-
-import wf_mesh
-from wf_mesh import PipelineP2P, PPScheduler
-from wf_mesh.testing import LocalCluster
-from wf_mesh.viz import format_table
 
 SMALL = 4  # float32 elements
 BIG = 8 * 2**20 // 4  # 8 MiB of float32
@@ -117,8 +118,14 @@ def ratio_rows(times: dict[str, dict[str, list[float]]], quick: bool) -> list[di
     rows = []
     for label, name in COMPARED:
         for size, what in (("small", f"{SMALL * 4} B"), ("big", f"{BIG * 4 // 2**20} MiB")):
-            rows.append(ratio_row("pipeline", f"{label} / raw isend+irecv, {what} round trip",
-                                  per_trial(times[size][name], times[size][RAW]), quick=quick))  # fmt: skip
+            rows.append(
+                ratio_row(
+                    "pipeline",
+                    f"{label} / raw isend+irecv, {what} round trip",
+                    per_trial(times[size][name], times[size][RAW]),
+                    quick=quick,
+                )
+            )
     return rows
 
 
@@ -138,23 +145,33 @@ def main() -> None:
 
     times = {"small": small, "big": big}
     med = {k: {name: statistics.median(v) for name, v in d.items()} for k, d in times.items()}
-    print(f"pipeline P2P benchmark: 2 ranks, gloo, CPU, torch {torch.__version__}; "
-          f"median of {repeats} interleaved repeat(s){' (--quick)' if args.quick else ''}")  # fmt: skip
+    print(
+        f"pipeline P2P benchmark: 2 ranks, gloo, CPU, torch {torch.__version__}; "
+        f"median of {repeats} interleaved repeat(s){' (--quick)' if args.quick else ''}"
+    )
     print(f"latency: round trip of {SMALL * 4} B ({SMALL} float32), {small_iters} round trips per repeat")
     table = [[name, f"{t * 1e6:.1f}", f"{t / med['small'][RAW]:.2f}x"] for name, t in med["small"].items()]
     print(format_table(["method", "us", "vs raw"], table, align="lrr", indent="  "))
     print(f"bandwidth: round trip of 8 MiB float32 (16 MiB moved), {big_iters} round trips per repeat")
-    table = [[name, f"{2 * BIG * 4 / t / 1e9:.2f}", f"{t * 1e3:.2f}", f"{t / med['big'][RAW]:.2f}x"]
-             for name, t in med["big"].items()]  # fmt: skip
+    table = [
+        [name, f"{2 * BIG * 4 / t / 1e9:.2f}", f"{t * 1e3:.2f}", f"{t / med['big'][RAW]:.2f}x"]
+        for name, t in med["big"].items()
+    ]
     print(format_table(["method", "GB/s", "ms", "vs raw"], table, align="lrrr", indent="  "))
     rows = ratio_rows(times, args.quick)
     print()
     print(format_rows(rows))
     if args.json:
         result = {
-            "torch": torch.__version__, "quick": args.quick, "repeats": repeats, "raw": RAW,
-            "small_bytes": SMALL * 4, "big_bytes": BIG * 4, "seconds_per_round_trip": med, "per_repeat": times,
-        }  # fmt: skip
+            "torch": torch.__version__,
+            "quick": args.quick,
+            "repeats": repeats,
+            "raw": RAW,
+            "small_bytes": SMALL * 4,
+            "big_bytes": BIG * 4,
+            "seconds_per_round_trip": med,
+            "per_repeat": times,
+        }
         write_json(args.json, "pipeline", args.quick, rows, result)
 
 

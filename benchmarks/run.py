@@ -30,9 +30,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # `import _report` also when run.py is imported rather than run
     sys.path.insert(0, str(HERE))
 
-from _report import format_rows, read_rows
+from wf_mesh.cli import Interrupted, ProcessTree, interruptible  # noqa: E402
 
-from wf_mesh.cli import Interrupted, ProcessTree, interruptible
+from _report import format_rows, read_rows  # noqa: E402 (needs the sys.path line above)
 
 KNOWN = ("topology", "context_parallel", "state", "pipeline", "cp_attention")
 """Benchmarks in the order they run; other scripts of the folder follow, by name."""
@@ -121,8 +121,10 @@ def main(argv: Sequence[str] | None = None, folder: Path = HERE) -> int:
         print()
         print(format_rows(rows))
         note = "; --quick: small sizes, few trials: targets not judged" if args.quick else ""
-        print(f"ratio = median over the trials of (first named / second named), measured side by side; low-high = "
-              f"its spread over the trials; meets: the median against the DESIGN.md section 7 target{note}")  # fmt: skip
+        print(
+            f"ratio = median over the trials of (first named / second named), measured side by side; low-high = "
+            f"its spread over the trials; meets: the median against the DESIGN.md section 7 target{note}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"quick": args.quick, "rows": rows, "failed": failed, "results": results}, f, indent=2)

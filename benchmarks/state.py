@@ -22,6 +22,13 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from wf_mesh import ShardedEMA, broadcast_dtensor_model_states
+from wf_mesh.testing import LocalCluster
+from wf_mesh.viz import format_table
+
 from _report import (  # benchmarks/ is on sys.path
     above,
     at_most,
@@ -31,12 +38,6 @@ from _report import (  # benchmarks/ is on sys.path
     write_json,
 )
 from _timing import compare_trials, timed_dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-
-from wf_mesh import ShardedEMA, broadcast_dtensor_model_states
-from wf_mesh.testing import LocalCluster
-from wf_mesh.viz import format_table
 
 
 class Flat(nn.Module):
@@ -124,8 +125,14 @@ def broadcast_paths(layers: int, width: int, iters: int, trials: int) -> dict:
         timed_dist,
     )
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return {**times, "tensors": len(tensors), "bytes": nbytes, "buckets": buckets,
-            "collectives_bucketed": buckets + 1, "collectives_per_tensor": len(tensors)}  # fmt: skip
+    return {
+        **times,
+        "tensors": len(tensors),
+        "bytes": nbytes,
+        "buckets": buckets,
+        "collectives_bucketed": buckets + 1,
+        "collectives_per_tensor": len(tensors),
+    }
 
 
 def med(samples: list[float]) -> float:
@@ -136,24 +143,52 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
     big, small = results["ema_large"], results["ema_small"]
     copy_ = big["copy_ (foreach)"]
     rows = [
-        ratio_row("state", "EMA update / copy_ of the same bytes", per_trial(big["ShardedEMA.update"], copy_),
-                  at_most(1.10), quick=quick),
-        ratio_row("state", "bare _foreach_lerp_ / copy_ (the floor)", per_trial(big["bare _foreach_lerp_"], copy_),
-                  quick=quick),
-        ratio_row("state", "EMA update, bf16 model / copy_",
-                  per_trial(big["ShardedEMA.update (bf16 model)"], copy_), quick=quick),
-        ratio_row("state", "many small tensors: lerp_ loop / EMA update",
-                  per_trial(small["lerp_ loop"], small["ShardedEMA.update"]), quick=quick),
-    ]  # fmt: skip
+        ratio_row(
+            "state",
+            "EMA update / copy_ of the same bytes",
+            per_trial(big["ShardedEMA.update"], copy_),
+            at_most(1.10),
+            quick=quick,
+        ),
+        ratio_row(
+            "state",
+            "bare _foreach_lerp_ / copy_ (the floor)",
+            per_trial(big["bare _foreach_lerp_"], copy_),
+            quick=quick,
+        ),
+        ratio_row(
+            "state",
+            "EMA update, bf16 model / copy_",
+            per_trial(big["ShardedEMA.update (bf16 model)"], copy_),
+            quick=quick,
+        ),
+        ratio_row(
+            "state",
+            "many small tensors: lerp_ loop / EMA update",
+            per_trial(small["lerp_ loop"], small["ShardedEMA.update"]),
+            quick=quick,
+        ),
+    ]
     for world, b in results["broadcast"].items():
         expected = b["buckets"] + 1  # one broadcast per bucket + the layout check
-        rows.append(ratio_row(
-            "state", f"state broadcast w{world}: collectives / (buckets + 1 check), {b['tensors']} tensors",
-            b["collectives_bucketed"] / expected, at_most(1.0)._replace(text="≈ 1 (collectives ≈ buckets)"),
-            quick=quick,
-        ))  # fmt: skip
-        rows.append(ratio_row("state", f"state broadcast w{world}: time per-tensor / bucketed",
-                              per_trial(b["per_tensor"], b["bucketed"]), above(1, "> 1 (well ahead)"), quick=quick))  # fmt: skip
+        rows.append(
+            ratio_row(
+                "state",
+                f"state broadcast w{world}: collectives / (buckets + 1 check), {b['tensors']} tensors",
+                b["collectives_bucketed"] / expected,
+                at_most(1.0)._replace(text="≈ 1 (collectives ≈ buckets)"),
+                quick=quick,
+            )
+        )
+        rows.append(
+            ratio_row(
+                "state",
+                f"state broadcast w{world}: time per-tensor / bucketed",
+                per_trial(b["per_tensor"], b["bucketed"]),
+                above(1, "> 1 (well ahead)"),
+                quick=quick,
+            )
+        )
     return rows
 
 
@@ -167,8 +202,10 @@ def main() -> None:
     iters, trials = (2, 3) if args.quick else (3, 7)
     layers, width = (100, 16) if args.quick else (300, 32)
     worlds = (2,) if args.quick else (2, 4)
-    print(f"# wf_mesh state benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"{torch.get_num_threads()} threads ({'quick' if args.quick else 'full'}; medians of {trials} trials)")  # fmt: skip
+    print(
+        f"# wf_mesh state benchmark  torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} threads ({'quick' if args.quick else 'full'}; medians of {trials} trials)"
+    )
     results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(), "quick": args.quick}
 
     count, numel = large
@@ -202,8 +239,18 @@ def main() -> None:
             cluster.shutdown()
         results["broadcast"][world] = b
         bucketed, per_tensor = med(b["bucketed"]), med(b["per_tensor"])
-        table.append([world, b["tensors"], f"{b['bytes'] / 1024:.0f}", f"{bucketed * 1e3:.2f}", b["collectives_bucketed"],
-                      f"{per_tensor * 1e3:.2f}", b["collectives_per_tensor"], f"{per_tensor / bucketed:.1f}x"])  # fmt: skip
+        table.append(
+            [
+                world,
+                b["tensors"],
+                f"{b['bytes'] / 1024:.0f}",
+                f"{bucketed * 1e3:.2f}",
+                b["collectives_bucketed"],
+                f"{per_tensor * 1e3:.2f}",
+                b["collectives_per_tensor"],
+                f"{per_tensor / bucketed:.1f}x",
+            ]
+        )
     head = ["world", "tensors", "KiB", "bucketed ms", "colls", "per-tensor ms", "colls", "speedup"]
     print(format_table(head, table, align="r" * len(head)))
     rows = ratio_rows(results, args.quick)

@@ -41,6 +41,10 @@ import sys
 import time
 
 import torch
+
+from wf_mesh import AXES, DERIVED_AXES, ParallelDims
+from wf_mesh.viz import format_table
+
 from _report import (  # benchmarks/ is on sys.path
     below,
     format_rows,
@@ -48,9 +52,6 @@ from _report import (  # benchmarks/ is on sys.path
     ratio_row,
     write_json,
 )
-
-from wf_mesh import AXES, DERIVED_AXES, ParallelDims
-from wf_mesh.viz import format_table
 
 ALL_AXES = (*AXES, *DERIVED_AXES)
 PLAN_WORLD = 100_000
@@ -152,8 +153,11 @@ def child(world_size: int, reps: int) -> dict:
     dist.destroy_process_group()
     result = {"world_size": world_size, "dims": str(dims), "rank": rank, "reps": reps}
     for name in methods:
-        result[name] = {"build_ms": _ms(statistics.median(times[name])), **counts[name],
-                        "build_ms_per_rep": [_ms(t) for t in times[name]]}  # fmt: skip
+        result[name] = {
+            "build_ms": _ms(statistics.median(times[name])),
+            **counts[name],
+            "build_ms_per_rep": [_ms(t) for t in times[name]],
+        }
     result["ratios"] = per_trial(times["megatron"], times["wf_mesh"])
     result["ratio"] = round(statistics.median(result["ratios"]), 2)
     return result
@@ -169,10 +173,15 @@ def run_child(world_size: int, reps: int) -> dict:
 
 # ---- report --------------------------------------------------------------------------------------------------
 def ratio_rows(planning: dict, builds: list[dict], quick: bool) -> list[dict]:
-    rows = [ratio_row(
-        "topology", f"planning {planning['world_size']:,} ranks (groups of {len(ALL_AXES)} axes) / 1 s",
-        [ms / 1e3 for ms in planning["total_ms_per_rep"]], below(1, "< 1 (well under 1 s)"), quick=quick,
-    )]  # fmt: skip
+    rows = [
+        ratio_row(
+            "topology",
+            f"planning {planning['world_size']:,} ranks (groups of {len(ALL_AXES)} axes) / 1 s",
+            [ms / 1e3 for ms in planning["total_ms_per_rep"]],
+            below(1, "< 1 (well under 1 s)"),
+            quick=quick,
+        )
+    ]
     for b in builds:
         what = f"mesh build, {b['world_size']} ranks: megatron new_group loop / wf_mesh"
         rows.append(ratio_row("topology", what, b["ratios"], quick=quick))
@@ -187,10 +196,13 @@ def print_report(header: str, planning: dict, builds: list[dict], rows: list[dic
         f"{planning['world_size']:,} ranks, median of {planning['reps']}"
     )
     print(f"   resolve: {planning['resolve_ms']:.3f} ms")
-    table = [[axis, r["num_groups"], r["group_size"], f"{r['groups_ms']:.3f}", f"{r['group_of_ms']:.3f}"]
-             for axis, r in planning["axes"].items()]  # fmt: skip
-    print(format_table(["axis", "groups", "size", "groups() ms", "group_of(rank) ms"], table, align="lrrrr",
-                       indent="   "))  # fmt: skip
+    table = [
+        [axis, r["num_groups"], r["group_size"], f"{r['groups_ms']:.3f}", f"{r['group_of_ms']:.3f}"]
+        for axis, r in planning["axes"].items()
+    ]
+    print(
+        format_table(["axis", "groups", "size", "groups() ms", "group_of(rank) ms"], table, align="lrrrr", indent="   ")
+    )
     print(f"   total (resolve + all groups() + all group_of()): {planning['total_ms']:.1f} ms")
     print()
     print(
@@ -202,10 +214,24 @@ def print_report(header: str, planning: dict, builds: list[dict], rows: list[dic
     table = []
     for b in builds:
         wf, mg = b["wf_mesh"], b["megatron"]
-        table.append([b["world_size"], f"{wf['build_ms']:.1f}", f"{mg['build_ms']:.1f}", f"{b['ratio']:.2f}",
-                      f"{wf['groups_held']}/{mg['groups_held']}", f"{wf['new_group_calls']}/{mg['new_group_calls']}"])  # fmt: skip
-    head = ["ranks", "wf_mesh build (ms)", "megatron new_group loop (ms)", "ratio (megatron / wf_mesh)",
-            "groups held wf/meg", "new_group calls wf/meg"]  # fmt: skip
+        table.append(
+            [
+                b["world_size"],
+                f"{wf['build_ms']:.1f}",
+                f"{mg['build_ms']:.1f}",
+                f"{b['ratio']:.2f}",
+                f"{wf['groups_held']}/{mg['groups_held']}",
+                f"{wf['new_group_calls']}/{mg['new_group_calls']}",
+            ]
+        )
+    head = [
+        "ranks",
+        "wf_mesh build (ms)",
+        "megatron new_group loop (ms)",
+        "ratio (megatron / wf_mesh)",
+        "groups held wf/meg",
+        "new_group calls wf/meg",
+    ]
     print(format_table(head, table, align="rrrrrr", rule=True, indent="   "))
     print()
     print(format_rows(rows))
@@ -237,8 +263,9 @@ def main() -> None:
     rows = ratio_rows(planning, builds, args.quick)
     print_report(header, planning, builds, rows)
     if args.json:
-        write_json(args.json, "topology", args.quick, rows, {"header": header, "planning": planning,
-                                                             "mesh_build": builds})  # fmt: skip
+        write_json(
+            args.json, "topology", args.quick, rows, {"header": header, "planning": planning, "mesh_build": builds}
+        )
 
 
 if __name__ == "__main__":

@@ -95,10 +95,15 @@ def redistribute_costs(shape: tuple[int, ...] = (4, 8, 6), transitions=TRANSITIO
         with CommDebugMode() as comm:
             y = x.redistribute(submesh, dst)
         counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-        rows.append({
-            "from": source, "to": target, "collectives": counts, "local": tuple(y.to_local().shape),
-            "correct": torch.allclose(y.full_tensor(), full, atol=1e-6),
-        })  # fmt: skip
+        rows.append(
+            {
+                "from": source,
+                "to": target,
+                "collectives": counts,
+                "local": tuple(y.to_local().shape),
+                "correct": torch.allclose(y.full_tensor(), full, atol=1e-6),
+            }
+        )
     return rows
 
 

@@ -42,9 +42,12 @@ def execute(path: Path = NOTEBOOK) -> nbformat.NotebookNode:
     """The notebook at ``path``, executed top to bottom in its own folder (raises on the first failing cell)."""
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=TIMEOUT, kernel_name="python3", record_timing=False,
+        nb,
+        timeout=TIMEOUT,
+        kernel_name="python3",
+        record_timing=False,
         resources={"metadata": {"path": str(path.parent)}},
-    )  # fmt: skip
+    )
     client.execute()
     return nb
 
@@ -83,8 +86,9 @@ def stale_cells(committed: nbformat.NotebookNode, fresh: nbformat.NotebookNode) 
         return [f"{len(old)} code cells committed, {len(new)} executed"]
     for i, (a, b) in enumerate(zip(old, new)):
         if a != b:
-            diff = difflib.unified_diff("\n".join(a).splitlines(), "\n".join(b).splitlines(), "committed", "fresh",
-                                        lineterm="", n=1)  # fmt: skip
+            diff = difflib.unified_diff(
+                "\n".join(a).splitlines(), "\n".join(b).splitlines(), "committed", "fresh", lineterm="", n=1
+            )
             lines = [line if len(line) <= 160 else line[:157] + "..." for line in list(diff)[:40]]
             problems.append(f"code cell {i}:\n" + "\n".join(lines))
     return problems

@@ -32,14 +32,30 @@ runner = load("run")
 # ---- the row schema ---------------------------------------------------------------------------------
 def test_ratio_row_is_judged_on_the_median_and_spread_over_the_trials():
     row = report.ratio_row("state", "EMA / copy_", [1.5, 0.9, 1.05], report.at_most(1.10), quick=False)
-    assert row == {"benchmark": "state", "measurement": "EMA / copy_", "ratio": 1.05, "low": 0.9, "high": 1.5,
-                   "target": "<= 1.10", "meets": "yes"}  # fmt: skip
+    assert row == {
+        "benchmark": "state",
+        "measurement": "EMA / copy_",
+        "ratio": 1.05,
+        "low": 0.9,
+        "high": 1.5,
+        "target": "<= 1.10",
+        "meets": "yes",
+    }
     assert report.ratio_row("s", "m", [1.2, 1.0, 1.3], report.at_most(1.10), quick=False)["meets"] == "NO"
     assert report.ratio_row("s", "m", [1.2, 1.3], report.at_most(1.10), quick=True)["meets"] == "not judged"
     assert report.ratio_row("s", "m", 0.25, report.equals(0.25, "= 1/4"), quick=False)["meets"] == "yes"
-    assert report.ratio_row("s", "m", [2.0], report.above(1, "> 1 (well ahead)"), quick=False)["target"] == "> 1 (well ahead)"
+    assert (
+        report.ratio_row("s", "m", [2.0], report.above(1, "> 1 (well ahead)"), quick=False)["target"]
+        == "> 1 (well ahead)"
+    )
     unjudged = report.ratio_row("s", "m", [3.0, 1.0], quick=False)
-    assert (unjudged["ratio"], unjudged["low"], unjudged["high"], unjudged["target"], unjudged["meets"]) == (2.0, 1.0, 3.0, "", "")
+    assert (unjudged["ratio"], unjudged["low"], unjudged["high"], unjudged["target"], unjudged["meets"]) == (
+        2.0,
+        1.0,
+        3.0,
+        "",
+        "",
+    )
     assert report.per_trial([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
     with pytest.raises(ValueError, match="per-trial ratios need as many trials on both sides, got 2 and 1"):
         report.per_trial([2.0, 3.0], [1.0])
@@ -47,19 +63,27 @@ def test_ratio_row_is_judged_on_the_median_and_spread_over_the_trials():
 
 def test_rows_outside_the_schema_are_refused(tmp_path):
     good = report.ratio_row("pipeline", "a / b", [1.0, 2.0], quick=True)
-    with pytest.raises(ValueError, match=r"pipeline row 0: expected the keys \['benchmark', 'measurement', 'ratio', "
-                                         r"'low', 'high', 'target', 'meets'\], got \['benchmark', 'ratio'\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline row 0: expected the keys \['benchmark', 'measurement', 'ratio', "
+        r"'low', 'high', 'target', 'meets'\], got \['benchmark', 'ratio'\]",
+    ):
         report.write_json(str(tmp_path / "x.json"), "pipeline", True, [{"benchmark": "pipeline", "ratio": 1}], {})
     with pytest.raises(ValueError, match=r"meets must be one of \['yes', 'NO', 'not judged', ''\], got 'maybe'"):
         report.check_row({**good, "meets": "maybe"})
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"gather": {}}))
-    with pytest.raises(ValueError, match=r"^cp_attention: its --json output has no 'rows' list \(the schema of "
-                                         r"benchmarks/_report.py\)$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^cp_attention: its --json output has no 'rows' list \(the schema of "
+        r"benchmarks/_report.py\)$",
+    ):
         report.read_rows(str(path), "cp_attention")
     report.write_json(str(path), "pipeline", True, [good], {"raw": 1})
-    assert report.read_rows(str(path), "pipeline") == ([good], {"benchmark": "pipeline", "quick": True,
-                                                              "rows": [good], "results": {"raw": 1}})  # fmt: skip
+    assert report.read_rows(str(path), "pipeline") == (
+        [good],
+        {"benchmark": "pipeline", "quick": True, "rows": [good], "results": {"raw": 1}},
+    )
 
 
 def test_format_rows():
@@ -117,17 +141,25 @@ EXPECTED = {
         "mesh build, 1024 ranks: megatron new_group loop / wf_mesh",
     ],
     "context_parallel": [
-        f"{what}" for cp in (2, 4) for what in (
-            f"gather cp {cp}: wf_mesh DTensor / raw all-gather", f"gather cp {cp}: legacy cat_outputs_cp / raw",
+        f"{what}"
+        for cp in (2, 4)
+        for what in (
+            f"gather cp {cp}: wf_mesh DTensor / raw all-gather",
+            f"gather cp {cp}: legacy cat_outputs_cp / raw",
             f"gather cp {cp}: wf_mesh / raw reusing its gather buffer",
         )
-    ] + ["small gather cp 2: wf_mesh / raw", "small gather cp 4: wf_mesh / raw"] + [
-        f"broadcast_split cp {cp}: {what}" for cp in (2, 4)
+    ]
+    + ["small gather cp 2: wf_mesh / raw", "small gather cp 4: wf_mesh / raw"]
+    + [
+        f"broadcast_split cp {cp}: {what}"
+        for cp in (2, 4)
         for what in ("bytes per receiver / broadcast", "time scatter / broadcast-then-split")
     ],
     "state": [
-        "EMA update / copy_ of the same bytes", "bare _foreach_lerp_ / copy_ (the floor)",
-        "EMA update, bf16 model / copy_", "many small tensors: lerp_ loop / EMA update",
+        "EMA update / copy_ of the same bytes",
+        "bare _foreach_lerp_ / copy_ (the floor)",
+        "EMA update, bf16 model / copy_",
+        "many small tensors: lerp_ loop / EMA update",
         "state broadcast w2: collectives / (buckets + 1 check), 250 tensors",
         "state broadcast w2: time per-tensor / bucketed",
     ],
@@ -136,7 +168,7 @@ EXPECTED = {
         for label in ("PPScheduler", "PipelineP2P", "PipelineP2P irecv_into", "PipelineP2P checked")
         for size in ("16 B", "8 MiB")
     ],
-}  # fmt: skip
+}
 TARGETS = {
     "planning 100,000 ranks (groups of 9 axes) / 1 s": "< 1 (well under 1 s)",
     "gather cp 2: wf_mesh DTensor / raw all-gather": "<= 1.10",
@@ -154,8 +186,11 @@ def test_every_benchmark_runs_quick_and_writes_rows_in_the_schema(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", ",".join(MINE), "--json", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == ""
     data = json.loads(out.read_text())
@@ -169,7 +204,9 @@ def test_every_benchmark_runs_quick_and_writes_rows_in_the_schema(tmp_path):
     for row in rows:  # quick runs cannot judge: never "NO"
         target = TARGETS.get(row["measurement"], "")
         assert (row["target"], row["meets"]) == (target, "not judged" if target else ""), row
-    exact = {r["measurement"]: r for r in rows if r["measurement"].startswith(("broadcast_split cp", "state broadcast"))}
+    exact = {
+        r["measurement"]: r for r in rows if r["measurement"].startswith(("broadcast_split cp", "state broadcast"))
+    }
     assert exact["broadcast_split cp 4: bytes per receiver / broadcast"]["ratio"] == 0.25  # each receiver gets 1/cp
     assert exact["state broadcast w2: collectives / (buckets + 1 check), 250 tensors"]["ratio"] == 1.0
     # each script's raw results come along

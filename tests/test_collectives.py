@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from helpers import DataType, Opaque, raised_everywhere, sample
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.testing import run_distributed
+
+from helpers import DataType, Opaque, raised_everywhere, sample
 
 VALUES = {
     "none": None,
@@ -109,10 +110,16 @@ def misuse(case):
 
 
 MISUSE = {
-    "pickle_refused_by_a_receiver": (TypeError, r"broadcast: the source's value needs pickle and ranks \[1\] turned pickle off"),
+    "pickle_refused_by_a_receiver": (
+        TypeError,
+        r"broadcast: the source's value needs pickle and ranks \[1\] turned pickle off",
+    ),
     "pickle_off_on_the_source": (TypeError, r"broadcast: rank 0: Opaque values need pickle, which is off"),
     "dtensor": (TypeError, r"broadcast: broadcast does not take a DTensor \(its shards differ per rank\)"),
-    "receiver_dtype": (ShapeMismatchError, r"broadcast: ranks \[1\] passed tensors that do not match the source's \(rank 0\) ndim and dtype"),
+    "receiver_dtype": (
+        ShapeMismatchError,
+        r"broadcast: ranks \[1\] passed tensors that do not match the source's \(rank 0\) ndim and dtype",
+    ),
 }
 
 

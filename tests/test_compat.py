@@ -98,20 +98,50 @@ ALIASES = {
 }
 
 LEGACY_20 = [
-    "broadcast", "broadcast_dtensor_model_states", "broadcast_split_tensor", "cat_outputs_cp",
-    "cat_outputs_cp_with_grad", "destroy_model_parallel", "dist_init", "DTensorFastEmaModelUpdater", "find_split",
-    "get_local_tensor_if_dtensor", "init_pp_scheduler", "initialize_model_parallel", "is_last_rank",
-    "is_last_tp_cp_rank", "model_parallel_is_initialized", "pp_scheduler", "PPScheduler", "print_per_rank",
-    "print_rank_0", "split_inputs_cp",
-]  # fmt: skip
+    "broadcast",
+    "broadcast_dtensor_model_states",
+    "broadcast_split_tensor",
+    "cat_outputs_cp",
+    "cat_outputs_cp_with_grad",
+    "destroy_model_parallel",
+    "dist_init",
+    "DTensorFastEmaModelUpdater",
+    "find_split",
+    "get_local_tensor_if_dtensor",
+    "init_pp_scheduler",
+    "initialize_model_parallel",
+    "is_last_rank",
+    "is_last_tp_cp_rank",
+    "model_parallel_is_initialized",
+    "pp_scheduler",
+    "PPScheduler",
+    "print_per_rank",
+    "print_rank_0",
+    "split_inputs_cp",
+]
 ROOT_ACCESSORS = [
-    "get_cp_group", "get_cp_rank", "get_cp_world_size", "get_dp_group", "get_dp_group_gloo", "get_dp_rank",
-    "get_dp_world_size", "get_model_parallel_group", "get_pipeline_model_parallel_first_rank",
-    "get_pipeline_model_parallel_last_rank", "get_pipeline_model_parallel_next_rank",
-    "get_pipeline_model_parallel_prev_rank", "get_pp_group", "get_pp_rank", "get_pp_world_size",
-    "get_tensor_model_parallel_last_rank", "get_tensor_model_parallel_ranks", "get_tensor_model_parallel_src_rank",
-    "get_tp_group", "get_tp_rank", "get_tp_world_size",
-]  # fmt: skip
+    "get_cp_group",
+    "get_cp_rank",
+    "get_cp_world_size",
+    "get_dp_group",
+    "get_dp_group_gloo",
+    "get_dp_rank",
+    "get_dp_world_size",
+    "get_model_parallel_group",
+    "get_pipeline_model_parallel_first_rank",
+    "get_pipeline_model_parallel_last_rank",
+    "get_pipeline_model_parallel_next_rank",
+    "get_pipeline_model_parallel_prev_rank",
+    "get_pp_group",
+    "get_pp_rank",
+    "get_pp_world_size",
+    "get_tensor_model_parallel_last_rank",
+    "get_tensor_model_parallel_ranks",
+    "get_tensor_model_parallel_src_rank",
+    "get_tp_group",
+    "get_tp_rank",
+    "get_tp_world_size",
+]
 ROOT_OTHERS = {
     "FastEmaModelUpdater": wf_mesh.DTensorFastEmaModelUpdater,
     "get_local_tensor_if_DTensor": wf_mesh.get_local_tensor_if_dtensor,
@@ -164,8 +194,12 @@ def test_process_helpers_without_distributed(monkeypatch):
     assert not dist.is_initialized()
     tpg = torch_process_group
     assert (tpg.get_rank(), tpg.get_world_size(), tpg.is_rank0(), wfd.get_global_rank(), wfd.get_world_size()) == (
-        0, 1, True, 0, 1,
-    )  # fmt: skip
+        0,
+        1,
+        True,
+        0,
+        1,
+    )
     assert wfd.is_distributed_initialized() is False and tpg.barrier() is None
     assert tpg.rank0_only(lambda x: x + 1)(1) == 2 and tpg.rank0_first(lambda x: x * 3)(2) == 6
     assert inference_runtime.get_device() == legacy_runtime.get_device() == wfd.get_distributed_device()
@@ -197,8 +231,10 @@ def test_log_without_distributed():
         wf_logging.log.success("done")
     finally:
         logger.remove(sink)
-    assert records == [("step 3", "INFO", {"rank": None, "coords": None}),
-                       ("done", "SUCCESS", {"rank": None, "coords": None})]  # fmt: skip
+    assert records == [
+        ("step 3", "INFO", {"rank": None, "coords": None}),
+        ("done", "SUCCESS", {"rank": None, "coords": None}),
+    ]
 
 
 # ---- 2 ranks: payloads, CP round trips, decorators, logging ------------------------------------------------
@@ -257,8 +293,13 @@ def two_rank_calls(cache_path):
         logger.remove(sink)
     out["logs"] = records
     tpg = torch_process_group
-    out["process"] = (tpg.get_rank(), tpg.get_world_size(), tpg.is_rank0(), wfd.get_global_rank(),
-                      wfd.is_distributed_initialized())  # fmt: skip
+    out["process"] = (
+        tpg.get_rank(),
+        tpg.get_world_size(),
+        tpg.is_rank0(),
+        wfd.get_global_rank(),
+        wfd.is_distributed_initialized(),
+    )
     return out
 
 
@@ -288,10 +329,17 @@ def test_two_rank_call_patterns(tmp_path):
 def four_rank_groups():
     before = (model_parallel_groups.get_tp_group(check_initialized=False), wfd.model_parallel_is_initialized())
     model_parallel_groups.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
-    ranks = {axis: dist.get_process_group_ranks(getter()) for axis, getter in
-             (("tp", wfd.get_tp_group), ("cp", wfd.get_cp_group), ("dp", wfd.get_dp_group))}  # fmt: skip
-    sizes = (wfd.get_tp_world_size(), wfd.get_cp_world_size(), wfd.get_dp_world_size(), wfd.get_tp_rank(),
-             wfd.get_cp_rank())  # fmt: skip
+    ranks = {
+        axis: dist.get_process_group_ranks(getter())
+        for axis, getter in (("tp", wfd.get_tp_group), ("cp", wfd.get_cp_group), ("dp", wfd.get_dp_group))
+    }
+    sizes = (
+        wfd.get_tp_world_size(),
+        wfd.get_cp_world_size(),
+        wfd.get_dp_world_size(),
+        wfd.get_tp_rank(),
+        wfd.get_cp_rank(),
+    )
     cp_group = model_parallel_groups.get_cp_group()
     x = sample((1, 4, 8, 2), seed=5)
     shard = wfd.split_inputs_cp(x, 2, cp_group)
@@ -395,14 +443,32 @@ def misuse(case):
 
 
 MISUSE = {
-    "rank0_first_failure": (ValueError, r"^rank0_first\(failing_download\): rank 0: download failed \(raised on every rank"),
+    "rank0_first_failure": (
+        ValueError,
+        r"^rank0_first\(failing_download\): rank 0: download failed \(raised on every rank",
+    ),
     "robust_broadcast_other_source": (NotImplementedError, r"^robust_broadcast: src=1 is not the group's first rank 0"),
-    "robust_broadcast_not_a_tensor": (TypeError, r"^robust_broadcast sends a tensor; the source \(rank 0\) passed str$"),
-    "object_list_pickle_refused": (TypeError, r"^cat_outputs_cp_object_list: rank 1: the objects travel pickled and pickle is off on this rank"),
-    "object_list_not_a_list": (TypeError, r"^cat_outputs_cp_object_list: rank 1: object_list must be a list or tuple, got set"),
-    "hsdp_sizes": (ValueError, r"^hsdp_device_mesh: replica_group_size=2 x sharding group size 2 = 4 is not the world size 2"),
-    "hsdp_disagree": (DisagreementError, r"^hsdp_device_mesh: ranks disagree on \(replicas, shard size, device\) \(rank 0: \(2, 1, 'cpu'\); rank 1: \(1, 2, 'cpu'\)\)"),
-}  # fmt: skip
+    "robust_broadcast_not_a_tensor": (
+        TypeError,
+        r"^robust_broadcast sends a tensor; the source \(rank 0\) passed str$",
+    ),
+    "object_list_pickle_refused": (
+        TypeError,
+        r"^cat_outputs_cp_object_list: rank 1: the objects travel pickled and pickle is off on this rank",
+    ),
+    "object_list_not_a_list": (
+        TypeError,
+        r"^cat_outputs_cp_object_list: rank 1: object_list must be a list or tuple, got set",
+    ),
+    "hsdp_sizes": (
+        ValueError,
+        r"^hsdp_device_mesh: replica_group_size=2 x sharding group size 2 = 4 is not the world size 2",
+    ),
+    "hsdp_disagree": (
+        DisagreementError,
+        r"^hsdp_device_mesh: ranks disagree on \(replicas, shard size, device\) \(rank 0: \(2, 1, 'cpu'\); rank 1: \(1, 2, 'cpu'\)\)",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(MISUSE))
@@ -425,9 +491,12 @@ def test_install_refuses_a_foreign_module(clean_worldfoundry_modules):
     foreign = types.ModuleType("worldfoundry.core.distributed")
     foreign.__file__ = "/opt/original/worldfoundry/core/distributed/__init__.py"
     clean_worldfoundry_modules.setitem(sys.modules, "worldfoundry.core.distributed", foreign)
-    with pytest.raises(ImportError, match=r"^install\(\): 'worldfoundry.core.distributed' is already imported from "
-                       r"/opt/original/worldfoundry/core/distributed/__init__.py, which is not "
-                       r"'wf_mesh.compat.worldfoundry'") as info:  # fmt: skip
+    with pytest.raises(
+        ImportError,
+        match=r"^install\(\): 'worldfoundry.core.distributed' is already imported from "
+        r"/opt/original/worldfoundry/core/distributed/__init__.py, which is not "
+        r"'wf_mesh.compat.worldfoundry'",
+    ) as info:
         wfd.install()
     assert info.value.path == foreign.__file__ and info.value.name == "worldfoundry.core.distributed"
     assert "worldfoundry" not in sys.modules and "worldfoundry.core.distributed.logging" not in sys.modules
@@ -441,11 +510,14 @@ def write_package(root, files):
 
 
 def test_install_refuses_an_original_its_parent_package_imports(tmp_path, clean_worldfoundry_modules):
-    write_package(tmp_path, {
-        "worldfoundry/__init__.py": "",
-        "worldfoundry/core/__init__.py": "from . import distributed\n",
-        "worldfoundry/core/distributed/__init__.py": "ORIGINAL = True\n",
-    })  # fmt: skip
+    write_package(
+        tmp_path,
+        {
+            "worldfoundry/__init__.py": "",
+            "worldfoundry/core/__init__.py": "from . import distributed\n",
+            "worldfoundry/core/distributed/__init__.py": "ORIGINAL = True\n",
+        },
+    )
     clean_worldfoundry_modules.syspath_prepend(str(tmp_path))
     original = str(tmp_path / "worldfoundry" / "core" / "distributed" / "__init__.py")
     with pytest.raises(ImportError, match=f"is already imported from {original}, which is not"):
@@ -481,16 +553,25 @@ print(json.dumps([checks, names]))
 def test_install_then_original_imports(tmp_path, parents):
     argv = []
     if parents == "real":
-        write_package(tmp_path, {
-            "worldfoundry/__init__.py": "",
-            "worldfoundry/core/__init__.py": "",
-            "worldfoundry/core/distributed/__init__.py": "raise RuntimeError('the original must not be imported')\n",
-            "worldfoundry/models/__init__.py": "REAL = True\n",
-        })  # fmt: skip
+        write_package(
+            tmp_path,
+            {
+                "worldfoundry/__init__.py": "",
+                "worldfoundry/core/__init__.py": "",
+                "worldfoundry/core/distributed/__init__.py": "raise RuntimeError('the original must not be imported')\n",
+                "worldfoundry/models/__init__.py": "REAL = True\n",
+            },
+        )
         argv = [str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", INSTALL_SCRIPT, *argv], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", INSTALL_SCRIPT, *argv],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     checks, names = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(checks), checks

@@ -9,7 +9,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import wf_mesh
 from wf_mesh import parallel_state as ps
-from helpers import raised_everywhere, sample
 from wf_mesh.errors import (
     DisagreementError,
     IndivisibleSequenceError,
@@ -18,6 +17,8 @@ from wf_mesh.errors import (
 )
 from wf_mesh.sizing import chunk_sizes
 from wf_mesh.testing import run_distributed
+
+from helpers import raised_everywhere, sample
 
 
 # ---- round trips -------------------------------------------------------------------------------------
@@ -147,10 +148,15 @@ def legacy_on_cp_group(shape, seq_dim):
     source = x if dist.get_rank() in (0, 1) else None  # receivers may pass None
     shard = wf_mesh.broadcast_split_tensor(source, seq_dim, group)
     return {
-        "local": local, "cat": cat, "cat_requires_grad": cat.requires_grad, "cat_grad_values": cat_grad.detach(),
-        "leaf_grad": leaf.grad, "split_collectives": split_comm.get_total_counts(), "shard": shard,
+        "local": local,
+        "cat": cat,
+        "cat_requires_grad": cat.requires_grad,
+        "cat_grad_values": cat_grad.detach(),
+        "leaf_grad": leaf.grad,
+        "split_collectives": split_comm.get_total_counts(),
+        "shard": shard,
         "mesh_is_cp_axis": wf_mesh.mesh_for_group(group) is wf_mesh.get_parallel_mesh()["cp"],
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("shape, seq_dim", [((2, 8, 3), 1), ((4, 3), -2), ((2, 3, 6), -1)])
@@ -197,8 +203,12 @@ def test_legacy_group_whose_smallest_rank_is_not_0():
 
 def test_none_group_and_single_process_identity():
     x = torch.arange(24).reshape(2, 3, 4)
-    for fn in (wf_mesh.split_inputs_cp, wf_mesh.cat_outputs_cp, wf_mesh.cat_outputs_cp_with_grad,
-               wf_mesh.broadcast_split_tensor):  # fmt: skip
+    for fn in (
+        wf_mesh.split_inputs_cp,
+        wf_mesh.cat_outputs_cp,
+        wf_mesh.cat_outputs_cp_with_grad,
+        wf_mesh.broadcast_split_tensor,
+    ):
         assert fn(x, 1, None) is x
     assert wf_mesh.broadcast(x, None) is x and wf_mesh.broadcast("s", None) == "s"
     assert wf_mesh.broadcast(None) is None
@@ -265,18 +275,42 @@ def misuse(case):
 
 
 MISUSE = {
-    "cat_shape": (ShapeMismatchError, r"gather_sequence: local lengths along dim 1 \(rank 0: 3, rank 1: 4\) are not torch.chunk shards of a sequence of 7 over 2 ranks, which are \[4, 3\]"),
-    "cat_dtype": (ShapeMismatchError, r"ranks disagree on dtype and the dims other than seq_dim \(rank 0: torch.float16 \(2, '\*'\); rank 1: torch.float32 \(2, '\*'\)\)"),
+    "cat_shape": (
+        ShapeMismatchError,
+        r"gather_sequence: local lengths along dim 1 \(rank 0: 3, rank 1: 4\) are not torch.chunk shards of a sequence of 7 over 2 ranks, which are \[4, 3\]",
+    ),
+    "cat_dtype": (
+        ShapeMismatchError,
+        r"ranks disagree on dtype and the dims other than seq_dim \(rank 0: torch.float16 \(2, '\*'\); rank 1: torch.float32 \(2, '\*'\)\)",
+    ),
     "seq_len_mismatch": (DisagreementError, r"gather_sequence: ranks disagree on seq_len \(rank 0: 7; rank 1: 8\)"),
-    "seq_len_wrong": (ShapeMismatchError, r"local lengths along dim 1 \(rank 0: 3, rank 1: 3\) are not torch.chunk shards of a sequence of 5 over 2 ranks, which are \[3, 2\]"),
-    "seq_dim_out_of_range_on_one_rank": (IndexError, r"gather_sequence: rank 1: seq_dim=5 is out of range for a tensor with 2 dims \(raised on every rank of the group \[0, 1\]\)"),
+    "seq_len_wrong": (
+        ShapeMismatchError,
+        r"local lengths along dim 1 \(rank 0: 3, rank 1: 3\) are not torch.chunk shards of a sequence of 5 over 2 ranks, which are \[3, 2\]",
+    ),
+    "seq_dim_out_of_range_on_one_rank": (
+        IndexError,
+        r"gather_sequence: rank 1: seq_dim=5 is out of range for a tensor with 2 dims \(raised on every rank of the group \[0, 1\]\)",
+    ),
     "seq_dim_differs": (DisagreementError, r"gather_sequence: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)"),
     "seq_dim_float": (TypeError, r"gather_sequence: seq_dim must be an int, got float 1.0"),
-    "dtensor_and_plain": (DisagreementError, r"ranks disagree on DTensor-or-plain input \(rank 0: plain tensor; rank 1: DTensor\)"),
-    "split_seq_dim_differs": (DisagreementError, r"broadcast_shard: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)"),
+    "dtensor_and_plain": (
+        DisagreementError,
+        r"ranks disagree on DTensor-or-plain input \(rank 0: plain tensor; rank 1: DTensor\)",
+    ),
+    "split_seq_dim_differs": (
+        DisagreementError,
+        r"broadcast_shard: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)",
+    ),
     "cat_seq_dim_differs": (DisagreementError, r"gather_sequence: ranks disagree on seq_dim \(rank 0: 0; rank 1: 1\)"),
-    "split_indivisible": (IndivisibleSequenceError, r"split_inputs_cp: sequence length 7 \(seq_dim=-1\) is not divisible by the cp size 2"),
-    "broadcast_split_indivisible": (IndivisibleSequenceError, r"broadcast_split_tensor: sequence length 9 \(seq_dim=0\) is not divisible by the cp size 2"),
+    "split_indivisible": (
+        IndivisibleSequenceError,
+        r"split_inputs_cp: sequence length 7 \(seq_dim=-1\) is not divisible by the cp size 2",
+    ),
+    "broadcast_split_indivisible": (
+        IndivisibleSequenceError,
+        r"broadcast_split_tensor: sequence length 9 \(seq_dim=0\) is not divisible by the cp size 2",
+    ),
     "bad_dim": (IndexError, r"seq_dim=2 is out of range for a tensor with 2 dims"),
 }
 
@@ -355,8 +389,11 @@ def test_find_split_reference_values(shape, cp, expected, cp_t):
 
 
 def test_find_split_errors():
-    with pytest.raises(ValueError, match=r"cannot split \(T=21, H=88, W=160\) with patch \(1, 2, 2\) over cp_size=8: "
-                                         r"a factor 2 is left for W, which is never split"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot split \(T=21, H=88, W=160\) with patch \(1, 2, 2\) over cp_size=8: "
+        r"a factor 2 is left for W, which is never split",
+    ):
         wf_mesh.find_split(torch.Size((1, 16, 21, 88, 160)), 8)
     with pytest.raises(AssertionError, match="T=21 is not divisible by view_factor=2"):
         wf_mesh.find_split((1, 16, 21, 88, 160), 2, view_factor=2)

@@ -42,8 +42,8 @@ from wf_mesh.attention import (
     zigzag_sizes,
 )
 from wf_mesh.context_parallel import sequence_dtensor
-from wf_mesh.sizing import chunk_sizes
 from wf_mesh.errors import DisagreementError, ShapeMismatchError
+from wf_mesh.sizing import chunk_sizes
 from wf_mesh.testing import run_distributed
 
 USP = ("cp_ring", "cp_ulysses")
@@ -165,8 +165,14 @@ def run_case(case, pm, usp_meshes):
         shapes = [to_layout(x, case.layout).shape for x in (q, k, v)]
         inputs = [sequence_dtensor(x, seq_dim, shape, mesh=pm) for x, shape in zip(leaves, shapes)]
         mesh = usp_meshes[case.usp] if case.usp else None  # 1-D methods: the mesh comes from the DTensors
-    kwargs = {"method": case.method, "mesh": mesh, "layout": case.layout, "causal": case.causal,
-              "balance": case.balance, "key_padding_mask": None if pad is None else shard(pad, 1)}  # fmt: skip
+    kwargs = {
+        "method": case.method,
+        "mesh": mesh,
+        "layout": case.layout,
+        "causal": case.causal,
+        "balance": case.balance,
+        "key_padding_mask": None if pad is None else shard(pad, 1),
+    }
     fwd, counting = c10d_counter()
     with CommDebugMode() as comm, counting:
         out = cp_attention(*inputs, **kwargs)
@@ -353,7 +359,7 @@ def misuse(pm, kind):
         kwargs["mesh"] = DeviceMesh("cpu", torch.tensor([3, 2, 1, 0]))  # the same ranks, another order
     try:
         cp_attention(q, k, v, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:
         return exc
     return None
 
@@ -507,8 +513,12 @@ def test_math_kernel_matches_fused_cpu_kernel(kv_heads):
     pad = torch.rand(2, 9, generator=g) < 0.3
     pad[1] = True
     qpos, kpos = torch.arange(10, 16), torch.arange(7, 16)
-    for p, causal, aligned in ((None, None, False), (pad, None, False), (pad, qpos[:, None] >= kpos, False),
-                               (None, qpos[:, None] >= kpos, False)):  # fmt: skip
+    for p, causal, aligned in (
+        (None, None, False),
+        (pad, None, False),
+        (pad, qpos[:, None] >= kpos, False),
+        (None, qpos[:, None] >= kpos, False),
+    ):
         fused = attention_ops.attend_block(q, k, v, p, causal, aligned, 0.3, True)
         math_ = attention_ops.attend_block(q, k, v, p, causal, aligned, 0.3, False)
         assert torch.equal(torch.isinf(fused[1]), torch.isinf(math_[1]))

@@ -74,8 +74,10 @@ def locals_of(model):
 
 
 def max_diff(local, full, shards, index):
-    return {n: (t.float() - chunk(full[n].float(), shards, index)).abs().max().item() if t.numel() else 0.0
-            for n, t in local.items()}  # fmt: skip
+    return {
+        n: (t.float() - chunk(full[n].float(), shards, index)).abs().max().item() if t.numel() else 0.0
+        for n, t in local.items()
+    }
 
 
 # ---- FSDP2 / HSDP against a single-process run ---------------------------------------------------------
@@ -121,8 +123,15 @@ def fsdp_ema_run(kind, dtype):
 @pytest.mark.parametrize("kind", ["fsdp", "hsdp"])
 def test_fsdp2_ema_equals_single_process_slice(kind):
     for rank, out in enumerate(run_distributed(4, fsdp_ema_run, kind, torch.float32)):
-        assert set(out["types"]) == {"scale", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight",
-                                     "blocks.1.bias", "head.weight", "head.bias"}  # fmt: skip
+        assert set(out["types"]) == {
+            "scale",
+            "blocks.0.weight",
+            "blocks.0.bias",
+            "blocks.1.weight",
+            "blocks.1.bias",
+            "head.weight",
+            "head.bias",
+        }
         assert all(t == ("DTensor", "torch.float32", True, True) for t in out["types"].values()), out["types"]
         assert max(out["model_vs_single"].values()) < 1e-5, (rank, out["model_vs_single"])
         assert max(out["ema_vs_single"].values()) < 1e-5, (rank, out["ema_vs_single"])
@@ -141,7 +150,7 @@ def test_bf16_model_fp32_ema(kind):
 
 # ---- swap / legacy cache-copy_to-restore round trips ------------------------------------------------------
 def round_trips():
-    mesh, index, shards = build_mesh("hsdp")
+    mesh, _, _ = build_mesh("hsdp")
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_net()
     model = shard(copy.deepcopy(ref), mesh)
@@ -231,9 +240,7 @@ def after_forward():
     model.train()
     model(x).sum()  # training forward, no backward yet: unsharded root again
     ema.update(model)  # resharded first, then the EMA reads shards
-    out["ema_still_equals_weights"] = all(
-        torch.equal(ema.state_dict()[n].to_local(), v) for n, v in training.items()
-    )
+    out["ema_still_equals_weights"] = all(torch.equal(ema.state_dict()[n].to_local(), v) for n, v in training.items())
     legacy = DTensorFastEmaModelUpdater()
     target = shard(make_net(seed=1), mesh)
     legacy.update_average(model, target, beta=0.0)  # unsharded source: resharded too
@@ -398,23 +405,38 @@ def test_get_local_tensor_if_dtensor_plain_passthrough():
 
 def test_error_messages_single_process():
     updater = DTensorFastEmaModelUpdater()
-    with pytest.raises(TypeError, match=r"update_average: target parameter 'weight' is torch.bfloat16, not "
-                                        r"torch.float32: an EMA in lower precision silently loses"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"update_average: target parameter 'weight' is torch.bfloat16, not "
+        r"torch.float32: an EMA in lower precision silently loses",
+    ):
         updater.update_average(nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"update_average: the source has 2 parameters but the target has 4; "
-                                         r"both must hold the same parameters, sharded the same way"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"update_average: the source has 2 parameters but the target has 4; "
+        r"both must hold the same parameters, sharded the same way",
+    ):
         updater.update_average(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    with pytest.raises(ValueError, match=r"the local shard of source parameter 'weight' has shape \(3, 2\) but "
-                                         r"target parameter 'weight' has \(5, 2\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"the local shard of source parameter 'weight' has shape \(3, 2\) but "
+        r"target parameter 'weight' has \(5, 2\)",
+    ):
         updater.copy_to(nn.Linear(2, 3), nn.Linear(2, 5))
     with pytest.raises(ValueError, match=r"EMA beta=1.5 must be in \[0, 1\]"):
         ShardedEMA(nn.Linear(2, 2), beta=1.5)
     ema = ShardedEMA(nn.Linear(2, 3))
-    with pytest.raises(ValueError, match=r"ShardedEMA.update: the model has 4 parameters but the EMA has 2; pass "
-                                         r"the model the EMA was created from"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"ShardedEMA.update: the model has 4 parameters but the EMA has 2; pass "
+        r"the model the EMA was created from",
+    ):
         ema.update(nn.Sequential(nn.Linear(2, 3), nn.Linear(2, 3)))
-    with pytest.raises(ValueError, match=r"ShardedEMA.copy_to: the local shard of model parameter 'weight' has "
-                                         r"shape \(4, 2\) but EMA parameter 'weight' has \(3, 2\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"ShardedEMA.copy_to: the local shard of model parameter 'weight' has "
+        r"shape \(4, 2\) but EMA parameter 'weight' has \(3, 2\)",
+    ):
         ema.copy_to(nn.Linear(2, 4))
     with pytest.raises(KeyError, match=r"missing keys \['bias'\], unexpected keys \['b'\]"):
         ema.load_state_dict({"weight": torch.zeros(3, 2), "b": torch.zeros(3)})
@@ -425,6 +447,9 @@ def test_error_messages_single_process():
     updater.cache([torch.zeros(2)])
     with pytest.raises(RuntimeError, match="EMA cache is already taken. Did you forget to restore it?"):
         updater.cache([torch.zeros(2)])
-    with pytest.raises(ValueError, match=r"restore: cached shard of shape \(2,\) does not fit a parameter whose "
-                                         r"local shard has shape \(3,\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"restore: cached shard of shape \(2,\) does not fit a parameter whose "
+        r"local shard has shape \(3,\)",
+    ):
         updater.restore([torch.zeros(3)])

@@ -13,7 +13,17 @@ LAYERS = {
     0: ["errors", "sizing", "topology"],  # pure: no torch.distributed (no torch at import time)
     1: ["_compat", "agreement"],  # torch glue: private torch API, the agreement exchange
     2: ["mesh"],  # the one mesh
-    3: ["context_parallel", "collectives", "video", "ema", "state_sync", "pipeline", "attention", "attention_ops", "log"],
+    3: [
+        "context_parallel",
+        "collectives",
+        "video",
+        "ema",
+        "state_sync",
+        "pipeline",
+        "attention",
+        "attention_ops",
+        "log",
+    ],
     4: ["parallel_state", "legacy", "compat"],  # the legacy layer: legacy names and state
     5: ["viz", "testing", "cli", "demo", "__init__", "__main__"],  # surface
 }

@@ -23,7 +23,10 @@ def test_rank_tagged_records_with_mesh():
     logs = run_distributed(4, capture_logs, True)
     assert logs[0][0] == ("[rank 0 tp0 cp0 pp0 dp0] once", {"rank": 0, "coords": {"tp": 0, "cp": 0, "pp": 0, "dp": 0}})
     assert [len(r) for r in logs] == [2, 1, 1, 1]  # print_rank_0 only on rank 0
-    assert logs[3][0] == ("[rank 3 tp1 cp0 pp0 dp1] {'step': 3}", {"rank": 3, "coords": {"tp": 1, "cp": 0, "pp": 0, "dp": 1}})
+    assert logs[3][0] == (
+        "[rank 3 tp1 cp0 pp0 dp1] {'step': 3}",
+        {"rank": 3, "coords": {"tp": 1, "cp": 0, "pp": 0, "dp": 1}},
+    )
 
 
 def test_rank_tag_without_mesh():
@@ -32,4 +35,7 @@ def test_rank_tag_without_mesh():
 
 
 def test_safe_without_distributed():
-    assert capture_logs(False) == [("once", {"rank": None, "coords": None}), ("{'step': 3}", {"rank": None, "coords": None})]
+    assert capture_logs(False) == [
+        ("once", {"rank": None, "coords": None}),
+        ("{'step': 3}", {"rank": None, "coords": None}),
+    ]

@@ -67,46 +67,86 @@ def megatron_report(tp, cp, pp, order, custom_embedding=False, vpp=None):
     r = _ranks
     out = {
         "initialized": (ps.model_parallel_is_initialized(), ps.is_initialized(), ps.has_separate_all_gather_group()),
-        "tp": (r(ps.get_tensor_model_parallel_group()), ps.get_tensor_model_parallel_world_size(),
-               ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_src_rank()),
-        "pp": (r(ps.get_pipeline_model_parallel_group()), ps.get_pipeline_model_parallel_world_size(),
-               ps.get_pipeline_model_parallel_rank()),
-        "pp_ring": (ps.get_pipeline_model_parallel_first_rank(), ps.get_pipeline_model_parallel_last_rank(),
-                    ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank(),
-                    ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()),
-        "dp": (r(ps.get_data_parallel_group()), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-               ps.get_data_parallel_src_rank(), r(ps.get_data_parallel_group_gloo())),
-        "dp_cp": (r(ps.get_data_parallel_group(with_context_parallel=True)),
-                  ps.get_data_parallel_world_size(with_context_parallel=True),
-                  ps.get_data_parallel_rank(with_context_parallel=True),
-                  ps.get_data_parallel_src_rank(with_context_parallel=True),
-                  r(ps.get_data_parallel_group_gloo(with_context_parallel=True)),
-                  r(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True))),
-        "cp": (r(ps.get_context_parallel_group()), ps.get_context_parallel_world_size(),
-               ps.get_context_parallel_rank(), ps.get_context_parallel_global_ranks()),
-        "tp_cp": (r(ps.get_tensor_and_context_parallel_group()), ps.get_tensor_and_context_parallel_world_size(),
-                  ps.get_tensor_and_context_parallel_rank()),
+        "tp": (
+            r(ps.get_tensor_model_parallel_group()),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_src_rank(),
+        ),
+        "pp": (
+            r(ps.get_pipeline_model_parallel_group()),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+        ),
+        "pp_ring": (
+            ps.get_pipeline_model_parallel_first_rank(),
+            ps.get_pipeline_model_parallel_last_rank(),
+            ps.get_pipeline_model_parallel_next_rank(),
+            ps.get_pipeline_model_parallel_prev_rank(),
+            ps.is_pipeline_first_stage(),
+            ps.is_pipeline_last_stage(),
+        ),
+        "dp": (
+            r(ps.get_data_parallel_group()),
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_src_rank(),
+            r(ps.get_data_parallel_group_gloo()),
+        ),
+        "dp_cp": (
+            r(ps.get_data_parallel_group(with_context_parallel=True)),
+            ps.get_data_parallel_world_size(with_context_parallel=True),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+            ps.get_data_parallel_src_rank(with_context_parallel=True),
+            r(ps.get_data_parallel_group_gloo(with_context_parallel=True)),
+            r(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)),
+        ),
+        "cp": (
+            r(ps.get_context_parallel_group()),
+            ps.get_context_parallel_world_size(),
+            ps.get_context_parallel_rank(),
+            ps.get_context_parallel_global_ranks(),
+        ),
+        "tp_cp": (
+            r(ps.get_tensor_and_context_parallel_group()),
+            ps.get_tensor_and_context_parallel_world_size(),
+            ps.get_tensor_and_context_parallel_rank(),
+        ),
         "mp": (r(ps.get_model_parallel_group()), ps.get_model_parallel_src_rank()),
-        "tp_dp": (r(ps.get_tensor_and_data_parallel_group()),
-                  r(ps.get_tensor_and_data_parallel_group(with_context_parallel=True))),
-        "amax": [r(ps.get_amax_reduction_group(with_context_parallel=w, tp_only_amax_red=t))
-                 for w in (False, True) for t in (False, True)],
-        "unchecked": [r(g) for g in (
-            ps.get_tensor_model_parallel_group(check_initialized=False),
-            ps.get_pipeline_model_parallel_group(check_initialized=False),
-            ps.get_context_parallel_group(check_initialized=False),
-            ps.get_model_parallel_group(check_initialized=False),
-            ps.get_tensor_and_context_parallel_group(check_initialized=False),
-            ps.get_tensor_and_data_parallel_group(check_initialized=False),
-            ps.get_data_parallel_group(check_initialized=False),
-        )] + [ps.get_context_parallel_global_ranks(check_initialized=False)],
-        "embedding": (r(ps.get_embedding_group(check_initialized=False)), ps.is_rank_in_embedding_group(),
-                      _live_sum(ps.get_embedding_group(check_initialized=False))),
-        "position": (r(ps.get_position_embedding_group(check_initialized=False)),
-                     ps.is_rank_in_position_embedding_group(),
-                     _live_sum(ps.get_position_embedding_group(check_initialized=False))),
+        "tp_dp": (
+            r(ps.get_tensor_and_data_parallel_group()),
+            r(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+        ),
+        "amax": [
+            r(ps.get_amax_reduction_group(with_context_parallel=w, tp_only_amax_red=t))
+            for w in (False, True)
+            for t in (False, True)
+        ],
+        "unchecked": [
+            r(g)
+            for g in (
+                ps.get_tensor_model_parallel_group(check_initialized=False),
+                ps.get_pipeline_model_parallel_group(check_initialized=False),
+                ps.get_context_parallel_group(check_initialized=False),
+                ps.get_model_parallel_group(check_initialized=False),
+                ps.get_tensor_and_context_parallel_group(check_initialized=False),
+                ps.get_tensor_and_data_parallel_group(check_initialized=False),
+                ps.get_data_parallel_group(check_initialized=False),
+            )
+        ]
+        + [ps.get_context_parallel_global_ranks(check_initialized=False)],
+        "embedding": (
+            r(ps.get_embedding_group(check_initialized=False)),
+            ps.is_rank_in_embedding_group(),
+            _live_sum(ps.get_embedding_group(check_initialized=False)),
+        ),
+        "position": (
+            r(ps.get_position_embedding_group(check_initialized=False)),
+            ps.is_rank_in_position_embedding_group(),
+            _live_sum(ps.get_position_embedding_group(check_initialized=False)),
+        ),
         "vpp": (ps.get_virtual_pipeline_model_parallel_rank(), ps.get_virtual_pipeline_model_parallel_world_size()),
-    }  # fmt: skip
+    }
     if ps.is_rank_in_embedding_group():
         out["embedding_checked"] = r(ps.get_embedding_group())  # check_initialized=True works for members
     if vpp is not None:
@@ -116,22 +156,42 @@ def megatron_report(tp, cp, pp, order, custom_embedding=False, vpp=None):
     ps.set_tensor_model_parallel_world_size(3)
     ps.set_tensor_model_parallel_rank(5)
     ps.set_pipeline_model_parallel_rank((stage + 1) % stages)
-    out["tp_overridden"] = (ps.get_tensor_model_parallel_world_size(), ps.get_tp_world_size(),
-                            ps.get_tensor_model_parallel_rank(), ps.get_tp_rank(),
-                            ps.get_tp_world_size(with_context_parallel=True))  # fmt: skip
-    out["pp_rank_overridden"] = (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_next_rank(),
-                                 ps.get_pipeline_model_parallel_prev_rank(), ps.is_pipeline_first_stage(),
-                                 ps.is_pipeline_last_stage())  # fmt: skip
+    out["tp_overridden"] = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tp_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tp_rank(),
+        ps.get_tp_world_size(with_context_parallel=True),
+    )
+    out["pp_rank_overridden"] = (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_next_rank(),
+        ps.get_pipeline_model_parallel_prev_rank(),
+        ps.is_pipeline_first_stage(),
+        ps.is_pipeline_last_stage(),
+    )
     ps.set_pipeline_model_parallel_world_size(1)
     ps.set_pipeline_model_parallel_rank(0)
-    out["pp_single_stage"] = (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_last_rank(),
-                              ps.get_pipeline_model_parallel_next_rank(), ps.is_pipeline_first_stage(),
-                              ps.is_pipeline_last_stage())  # fmt: skip
-    for setter in (ps.set_tensor_model_parallel_world_size, ps.set_tensor_model_parallel_rank,
-                   ps.set_pipeline_model_parallel_world_size, ps.set_pipeline_model_parallel_rank):  # fmt: skip
+    out["pp_single_stage"] = (
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_last_rank(),
+        ps.get_pipeline_model_parallel_next_rank(),
+        ps.is_pipeline_first_stage(),
+        ps.is_pipeline_last_stage(),
+    )
+    for setter in (
+        ps.set_tensor_model_parallel_world_size,
+        ps.set_tensor_model_parallel_rank,
+        ps.set_pipeline_model_parallel_world_size,
+        ps.set_pipeline_model_parallel_rank,
+    ):
         setter(None)
-    out["reset"] = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-                    ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())  # fmt: skip
+    out["reset"] = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+    )
     return out
 
 
@@ -139,22 +199,37 @@ def virtual_report():
     """Megatron's virtual-pipeline semantics (called right after initialize with a virtual size of 2)."""
     first, last = ps.is_pipeline_first_stage, ps.is_pipeline_last_stage
     out = {
-        "by_stage": [(first(ignore_virtual=False, vp_stage=s), last(ignore_virtual=False, vp_stage=s),
-                      ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=s)) for s in (0, 1)],
+        "by_stage": [
+            (
+                first(ignore_virtual=False, vp_stage=s),
+                last(ignore_virtual=False, vp_stage=s),
+                ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=s),
+            )
+            for s in (0, 1)
+        ],
         "ignored": (first(), last(), first(vp_stage=1), last(vp_stage=0)),
         "current_rank_0": (first(ignore_virtual=False), last(ignore_virtual=False)),  # no vp_stage: the set rank
-    }  # fmt: skip
+    }
     ps.set_virtual_pipeline_model_parallel_rank(1)
-    out["current_rank_1"] = (ps.get_virtual_pipeline_model_parallel_rank(), first(ignore_virtual=False),
-                             last(ignore_virtual=False))  # fmt: skip
+    out["current_rank_1"] = (
+        ps.get_virtual_pipeline_model_parallel_rank(),
+        first(ignore_virtual=False),
+        last(ignore_virtual=False),
+    )
     ps.set_tensor_model_parallel_world_size(3)
     ps.destroy_model_parallel()
-    out["after_destroy"] = (ps.get_virtual_pipeline_model_parallel_rank(),
-                            ps.get_virtual_pipeline_model_parallel_world_size(), ps.is_rank_in_embedding_group(),
-                            ps.is_rank_in_position_embedding_group(), ps.model_parallel_is_initialized())  # fmt: skip
+    out["after_destroy"] = (
+        ps.get_virtual_pipeline_model_parallel_rank(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+        ps.is_rank_in_embedding_group(),
+        ps.is_rank_in_position_embedding_group(),
+        ps.model_parallel_is_initialized(),
+    )
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, order=ps.MEGATRON_ORDER)
-    out["reinitialized"] = (ps.get_tensor_model_parallel_world_size(),
-                            ps.get_virtual_pipeline_model_parallel_world_size())  # fmt: skip
+    out["reinitialized"] = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+    )
     return out
 
 
@@ -176,8 +251,14 @@ def check_report(rank, got, tp, cp, pp, order, custom_embedding):
     assert got["initialized"] == (True, True, False)
     assert got["tp"] == (g("tp"), tp, g("tp").index(rank), g("tp")[0])
     assert got["pp"] == (pipeline, pp, stage)
-    assert got["pp_ring"] == (pipeline[0], pipeline[-1], pipeline[(stage + 1) % pp], pipeline[(stage - 1) % pp],
-                              stage == 0, stage == pp - 1)  # fmt: skip
+    assert got["pp_ring"] == (
+        pipeline[0],
+        pipeline[-1],
+        pipeline[(stage + 1) % pp],
+        pipeline[(stage - 1) % pp],
+        stage == 0,
+        stage == pp - 1,
+    )
     dp = g("dp")
     assert got["dp"] == (dp, len(dp), dp.index(rank), dp[0], dp)
     dp_cp = g("dp", "cp")
@@ -198,8 +279,13 @@ def check_report(rank, got, tp, cp, pp, order, custom_embedding):
     # Overrides: tp size 3 and rank 5 (tp x cp untouched); pp rank = stage + 1; then a single stage.
     assert got["tp_overridden"] == (3, 3, 5, 5, tp * cp)
     moved = (stage + 1) % pp
-    assert got["pp_rank_overridden"] == (moved, pipeline[(moved + 1) % pp], pipeline[(moved - 1) % pp],
-                                         moved == 0, moved == pp - 1)  # fmt: skip
+    assert got["pp_rank_overridden"] == (
+        moved,
+        pipeline[(moved + 1) % pp],
+        pipeline[(moved - 1) % pp],
+        moved == 0,
+        moved == pp - 1,
+    )
     assert got["pp_single_stage"] == (1, pipeline[0], pipeline[0], True, True)
     assert got["reset"] == (tp, g("tp").index(rank), pp, stage)
 
@@ -268,11 +354,19 @@ def test_megatron_tp2_pp4_example_with_virtual_pipeline():
 
 # ---- before initialization, and Megatron's initialization errors --------------------------------------
 GROUP_GETTERS = [
-    "get_tensor_model_parallel_group", "get_pipeline_model_parallel_group", "get_data_parallel_group",
-    "get_data_parallel_group_gloo", "get_context_parallel_group", "get_model_parallel_group",
-    "get_tensor_and_context_parallel_group", "get_tensor_and_data_parallel_group", "get_embedding_group",
-    "get_position_embedding_group", "get_amax_reduction_group", "get_context_parallel_global_ranks",
-]  # fmt: skip
+    "get_tensor_model_parallel_group",
+    "get_pipeline_model_parallel_group",
+    "get_data_parallel_group",
+    "get_data_parallel_group_gloo",
+    "get_context_parallel_group",
+    "get_model_parallel_group",
+    "get_tensor_and_context_parallel_group",
+    "get_tensor_and_data_parallel_group",
+    "get_embedding_group",
+    "get_position_embedding_group",
+    "get_amax_reduction_group",
+    "get_context_parallel_global_ranks",
+]
 
 
 def before_initialize():
@@ -299,8 +393,13 @@ def test_before_initialize():
         assert str(error).startswith("model parallel is not initialized: call wf_mesh.initialize_model_parallel(")
 
 
-RANK_GETTERS = ["get_data_parallel_src_rank", "get_model_parallel_src_rank", "get_pipeline_model_parallel_first_rank",
-                "get_pipeline_model_parallel_next_rank", "get_tensor_model_parallel_src_rank"]  # fmt: skip
+RANK_GETTERS = [
+    "get_data_parallel_src_rank",
+    "get_model_parallel_src_rank",
+    "get_pipeline_model_parallel_first_rank",
+    "get_pipeline_model_parallel_next_rank",
+    "get_tensor_model_parallel_src_rank",
+]
 
 
 @pytest.mark.parametrize("name", GROUP_GETTERS + RANK_GETTERS)
@@ -319,17 +418,24 @@ def test_initialize_asserts_without_torch_distributed():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tensor_model_parallel_size": 2 * SMALL},
-         "initialize_model_parallel: world_size=4 is not divisible by tp*cp*pp = 8*1*1 = 8; cannot infer dp"),
-        ({"virtual_pipeline_model_parallel_size": 2},
-         ("initialize_model_parallel: virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1 "
-          "(got 1): the interleaved schedule splits pipeline stages")),
+        (
+            {"tensor_model_parallel_size": 2 * SMALL},
+            "initialize_model_parallel: world_size=4 is not divisible by tp*cp*pp = 8*1*1 = 8; cannot infer dp",
+        ),
+        (
+            {"virtual_pipeline_model_parallel_size": 2},
+            (
+                "initialize_model_parallel: virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1 "
+                "(got 1): the interleaved schedule splits pipeline stages"
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 def test_initialize_raises_runtime_error_on_every_rank(kwargs, message):
     """Megatron raises RuntimeError for both; wf_mesh's DegreeError is one, raised on every rank."""
-    errors = run_distributed(SMALL, call, "initialize_model_parallel", order=ps.MEGATRON_ORDER,
-                             return_exceptions=True, **kwargs)  # fmt: skip
+    errors = run_distributed(
+        SMALL, call, "initialize_model_parallel", order=ps.MEGATRON_ORDER, return_exceptions=True, **kwargs
+    )
     for error in errors:
         assert type(error) is DegreeError and isinstance(error, RuntimeError)
         assert str(error) == message

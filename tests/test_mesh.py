@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from helpers import raised_everywhere
 from wf_mesh.errors import DegreeError, DisagreementError, StateError
 from wf_mesh.testing import run_distributed
 from wf_mesh.topology import AXES, DERIVED_AXES
+
+from helpers import raised_everywhere
 
 ALL_AXES = [*AXES, *DERIVED_AXES]
 
@@ -115,16 +116,37 @@ def mesh_misuse(case):
 
 
 MESH_MISUSE = {
-    "dims_differ": (DisagreementError, r"^init_parallel: ranks disagree on tp \(rank 0: 4; ranks \[1, 2, 3\]: 1\); every rank must build the same mesh$"),
-    "order_differs": (DisagreementError, r"ranks disagree on order \(rank 0: dp-tp-cp-pp; ranks \[1, 2, 3\]: tp-cp-pp-dp\)"),
-    "timeout_differs": (DisagreementError, r"ranks disagree on timeout \(rank 0: 30 s; rank 1: 31 s; rank 2: 32 s; rank 3: 33 s\)"),
-    "indivisible": (DegreeError, r"^init_parallel: world_size=4 is not divisible by tp\*cp\*pp = 3\*1\*1 = 3; cannot infer dp$"),
-    "bad_on_one_rank": (ValueError, r"^init_parallel: rank 2: dp_replicate=3 does not divide dp=2 .*\(raised on every rank of the group \[0, 1, 2, 3\]\)$"),
-    "double": (StateError, r"model parallel is already initialized \(ParallelDims\(tp=1, cp=2, pp=1, dp=2.*call wf_mesh.destroy_model_parallel\(\) before initializing again"),
+    "dims_differ": (
+        DisagreementError,
+        r"^init_parallel: ranks disagree on tp \(rank 0: 4; ranks \[1, 2, 3\]: 1\); every rank must build the same mesh$",
+    ),
+    "order_differs": (
+        DisagreementError,
+        r"ranks disagree on order \(rank 0: dp-tp-cp-pp; ranks \[1, 2, 3\]: tp-cp-pp-dp\)",
+    ),
+    "timeout_differs": (
+        DisagreementError,
+        r"ranks disagree on timeout \(rank 0: 30 s; rank 1: 31 s; rank 2: 32 s; rank 3: 33 s\)",
+    ),
+    "indivisible": (
+        DegreeError,
+        r"^init_parallel: world_size=4 is not divisible by tp\*cp\*pp = 3\*1\*1 = 3; cannot infer dp$",
+    ),
+    "bad_on_one_rank": (
+        ValueError,
+        r"^init_parallel: rank 2: dp_replicate=3 does not divide dp=2 .*\(raised on every rank of the group \[0, 1, 2, 3\]\)$",
+    ),
+    "double": (
+        StateError,
+        r"model parallel is already initialized \(ParallelDims\(tp=1, cp=2, pp=1, dp=2.*call wf_mesh.destroy_model_parallel\(\) before initializing again",
+    ),
     "unknown_axis": (KeyError, r"unknown mesh axis 'ep'; valid axes are \['tp', 'cp', 'pp', 'dp', 'tp_cp'"),
     "none_axis": (TypeError, r"^a mesh axis is a str such as 'cp' or 'dp_cp', got NoneType None$"),
     "int_axis": (TypeError, r"^a mesh axis is a str such as 'cp' or 'dp_cp', got int 3$"),
-    "destroyed": (StateError, r"^this ParallelMesh \(ParallelDims\(tp=1, cp=2, pp=1, dp=2, order='tp-cp-pp-dp'\)\) was destroyed; initialize a new one$"),
+    "destroyed": (
+        StateError,
+        r"^this ParallelMesh \(ParallelDims\(tp=1, cp=2, pp=1, dp=2, order='tp-cp-pp-dp'\)\) was destroyed; initialize a new one$",
+    ),
 }
 
 

@@ -31,15 +31,27 @@ def free_port() -> int:
 
 def start_node(endpoint: str, rdzv_id: str, marker: str, *extra: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "wf_mesh.cli", "demo", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
-        "--rdzv-id", rdzv_id, "--cp", "2", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "wf_mesh.cli",
+        "demo",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--cp",
+        "2",
+        *extra,
+    ]
     # a session of its own: on timeout the whole node (front, launcher, worker) is killed at once
     env = {**os.environ, MARKER: marker}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=env)  # fmt: skip
-
-
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
 
 
 def wait_all(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
@@ -63,8 +75,10 @@ def test_demo_on_two_nodes_over_c10d_rendezvous():
     assert [rc for rc, _, _ in results] == [0, 0], report
     assert [err for _, _, err in results] == ["", ""], report
     for _, out, _ in results:
-        assert out.startswith("wf-mesh demo: launching 1 CPU process on this node of 2 (2 ranks in all) with "
-                              "torchrun: ParallelDims(tp=1, cp=2, pp=1, dp=1, order='tp-cp-pp-dp')\n"), report  # fmt: skip
+        assert out.startswith(
+            "wf-mesh demo: launching 1 CPU process on this node of 2 (2 ranks in all) with "
+            "torchrun: ParallelDims(tp=1, cp=2, pp=1, dp=1, order='tp-cp-pp-dp')\n"
+        ), report
     summaries = [out for _, out, _ in results if "demo OK" in out]
     assert len(summaries) == 1, report  # printed once, by the node that got global rank 0
     out = summaries[0]
@@ -78,8 +92,10 @@ def test_a_node_alone_says_what_it_waits_for_and_gives_up_after_the_rdzv_timeout
     endpoint, marker = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
     node = start_node(endpoint, "wf-mesh-test-alone", marker, "--rdzv-timeout", "4")
     ((rc, out, err),) = wait_all([node], TIMEOUT)
-    waiting = (f"waiting for 2 nodes to join the c10d rendezvous at {endpoint} (id wf-mesh-test-alone); "
-               "giving up after 4 s (--rdzv-timeout)")  # fmt: skip
+    waiting = (
+        f"waiting for 2 nodes to join the c10d rendezvous at {endpoint} (id wf-mesh-test-alone); "
+        "giving up after 4 s (--rdzv-timeout)"
+    )
     lines = out.splitlines()
     assert rc == 1, out + err
     assert lines[0].startswith("wf-mesh demo: launching 1 CPU process on this node of 2")

@@ -26,8 +26,11 @@ def magi_accessors(tp, cp, pp, order):
     ps.initialize_model_parallel(tp, pp, cp, None, 30, order)  # MAGI-1's positional arguments
     ranks = dist.get_process_group_ranks
     return {
-        "initialized": (ps.model_parallel_is_initialized(), ps.is_initialized(),
-                        wf_mesh.model_parallel_is_initialized()),
+        "initialized": (
+            ps.model_parallel_is_initialized(),
+            ps.is_initialized(),
+            wf_mesh.model_parallel_is_initialized(),
+        ),
         "tp": (ranks(ps.get_tp_group()), ps.get_tp_world_size(), ps.get_tp_rank()),
         # MAGI-1: get_tp_group(check_initialized=True, with_context_parallel=False)
         "tp_cp": (ranks(ps.get_tp_group(True, True)), ps.get_tp_world_size(True), ps.get_tp_rank(True)),
@@ -36,14 +39,19 @@ def magi_accessors(tp, cp, pp, order):
         "tp_last": (ps.get_tensor_model_parallel_last_rank(), ps.get_tensor_model_parallel_last_rank(True)),
         "cp": (ranks(ps.get_cp_group()), ps.get_cp_world_size(), ps.get_cp_rank()),
         "pp": (ranks(ps.get_pp_group()), ps.get_pp_world_size(), ps.get_pp_rank()),
-        "pp_ring": (ps.get_pipeline_model_parallel_first_rank(), ps.get_pipeline_model_parallel_last_rank(),
-                    ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank(),
-                    ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()),
+        "pp_ring": (
+            ps.get_pipeline_model_parallel_first_rank(),
+            ps.get_pipeline_model_parallel_last_rank(),
+            ps.get_pipeline_model_parallel_next_rank(),
+            ps.get_pipeline_model_parallel_prev_rank(),
+            ps.is_pipeline_first_stage(),
+            ps.is_pipeline_last_stage(),
+        ),
         "dp": (ranks(ps.get_dp_group()), ps.get_dp_world_size(), ps.get_dp_rank()),
         "dp_cp": (ranks(ps.get_dp_group(True)), ps.get_dp_world_size(True), ps.get_dp_rank(True)),
         "dp_gloo": (ranks(ps.get_dp_group_gloo()), ranks(ps.get_dp_group_gloo(True))),
         "mp": ranks(ps.get_model_parallel_group()),
-    }  # fmt: skip
+    }
 
 
 # (tp, cp, pp, order) -> the pipeline ring written out per rank: (next, prev)
@@ -58,6 +66,7 @@ def test_magi_accessors_match_plan(config):
     tp, cp, pp, order = config
     plan = wf_mesh.ParallelDims(tp=tp, cp=cp, pp=pp, order=order).resolve(WORLD)
     for rank, got in enumerate(run_distributed(WORLD, magi_accessors, tp, cp, pp, order)):
+
         def grp(token, rank=rank):
             g = plan.group_of(token, rank)
             return g, len(g), g.index(rank)
@@ -69,8 +78,14 @@ def test_magi_accessors_match_plan(config):
         assert got["tp_last"] == (plan.group_of("tp", rank)[-1], plan.group_of("tp-cp", rank)[-1])
         assert got["cp"] == grp("cp") and got["pp"] == grp("pp")
         pp_group, stage = plan.group_of("pp", rank), plan.coords(rank)["pp"]
-        assert got["pp_ring"] == (pp_group[0], pp_group[-1], pp_group[(stage + 1) % pp], pp_group[(stage - 1) % pp],
-                                  stage == 0, stage == pp - 1)  # fmt: skip
+        assert got["pp_ring"] == (
+            pp_group[0],
+            pp_group[-1],
+            pp_group[(stage + 1) % pp],
+            pp_group[(stage - 1) % pp],
+            stage == 0,
+            stage == pp - 1,
+        )
         if CONFIGS[config] is not None:
             assert got["pp_ring"][2:4] == CONFIGS[config][rank]
         assert got["dp"] == grp("dp") and got["dp_cp"] == grp("dp-cp")
@@ -104,8 +119,11 @@ def lifecycle(config_path):
     ps.cp_size_t = 4  # as find_split sets it
     ps.destroy_model_parallel()
     # pp=4: the embedding groups [first, last] and the position-embedding groups [first] are new groups; destroyed.
-    out["after_destroy"] = (ps.model_parallel_is_initialized(), hasattr(ps, "cp_size_t"),
-                            _compat.process_group_counts()[0] - held)  # fmt: skip
+    out["after_destroy"] = (
+        ps.model_parallel_is_initialized(),
+        hasattr(ps, "cp_size_t"),
+        _compat.process_group_counts()[0] - held,
+    )
     ps.destroy_model_parallel()  # nothing to destroy: a no-op
     ps.initialize_model_parallel(pipeline_model_parallel_size=4)
     built = _compat.process_group_counts()[0]
@@ -181,33 +199,85 @@ def outside_the_pipeline(pipeline):
 @pytest.mark.parametrize(
     "fn, args, error, message",
     [
-        (initialize_per_rank, ({"tp_size": 2}, {1: {"tp_size": 0}}), DegreeError,
-         "initialize_model_parallel: rank 1: tp=0 must be >= 1 (dp may be -1 to infer it); tp=0, cp=1, pp=1, dp=-1 "
-         + EVERY_RANK),
-        (initialize_per_rank, ({"pp_size": 2}, {3: {"pp_size": "2"}}), TypeError,
-         f"initialize_model_parallel: rank 3: pp must be an int, got str '2' {EVERY_RANK}"),
-        (initialize_per_rank, ({}, {0: {"tp_size": 2}}), DisagreementError,
-         ("init_parallel: ranks disagree on tp (rank 0: 2; ranks [1, 2, 3]: 1); every rank must build "
-          "the same mesh")),
-        (initialize_per_rank, ({"pp_size": 2}, {0: {"virtual_pipeline_model_parallel_size": 2}}), DisagreementError,
-         ("initialize_model_parallel: ranks disagree on virtual_pipeline_model_parallel_size (rank 0: 2; ranks "
-          "[1, 2, 3]: None); every rank must pass the same arguments")),
-        (initialize_per_rank, ({"pp_size": 2, "get_embedding_ranks": outside_the_pipeline}, {}), ValueError,
-         ("initialize_model_parallel: get_embedding_ranks([0, 1]) returned [2]: it must return distinct ranks of "
-          "that pipeline (at least one)")),
-        (initialize_twice, (), StateError,
-         ("init_parallel: model parallel is already initialized (ParallelDims(tp=2, cp=1, pp=1, dp=2, "
-          "order='tp-cp-pp-dp')); call wf_mesh.destroy_model_parallel() before initializing again")),
-        (initialize_per_rank, ({"pipeline_model_parallel_comm_backend": "ucc"}, {}), NotImplementedError,
-         ("initialize_model_parallel: pipeline_model_parallel_comm_backend='ucc' is not supported: pipeline groups "
-          "use the default group's backend 'gloo'")),
-        (initialize_per_rank, ({"expert_model_parallel_size": 2, "use_sharp": True}, {}), NotImplementedError,
-         ("initialize_model_parallel: not supported by wf_mesh (dense tp/cp/pp/dp only): expert_model_parallel_size=2 "
-          "(expert parallelism), use_sharp=True (SHARP)")),
+        (
+            initialize_per_rank,
+            ({"tp_size": 2}, {1: {"tp_size": 0}}),
+            DegreeError,
+            "initialize_model_parallel: rank 1: tp=0 must be >= 1 (dp may be -1 to infer it); tp=0, cp=1, pp=1, dp=-1 "
+            + EVERY_RANK,
+        ),
+        (
+            initialize_per_rank,
+            ({"pp_size": 2}, {3: {"pp_size": "2"}}),
+            TypeError,
+            f"initialize_model_parallel: rank 3: pp must be an int, got str '2' {EVERY_RANK}",
+        ),
+        (
+            initialize_per_rank,
+            ({}, {0: {"tp_size": 2}}),
+            DisagreementError,
+            (
+                "init_parallel: ranks disagree on tp (rank 0: 2; ranks [1, 2, 3]: 1); every rank must build "
+                "the same mesh"
+            ),
+        ),
+        (
+            initialize_per_rank,
+            ({"pp_size": 2}, {0: {"virtual_pipeline_model_parallel_size": 2}}),
+            DisagreementError,
+            (
+                "initialize_model_parallel: ranks disagree on virtual_pipeline_model_parallel_size (rank 0: 2; ranks "
+                "[1, 2, 3]: None); every rank must pass the same arguments"
+            ),
+        ),
+        (
+            initialize_per_rank,
+            ({"pp_size": 2, "get_embedding_ranks": outside_the_pipeline}, {}),
+            ValueError,
+            (
+                "initialize_model_parallel: get_embedding_ranks([0, 1]) returned [2]: it must return distinct ranks of "
+                "that pipeline (at least one)"
+            ),
+        ),
+        (
+            initialize_twice,
+            (),
+            StateError,
+            (
+                "init_parallel: model parallel is already initialized (ParallelDims(tp=2, cp=1, pp=1, dp=2, "
+                "order='tp-cp-pp-dp')); call wf_mesh.destroy_model_parallel() before initializing again"
+            ),
+        ),
+        (
+            initialize_per_rank,
+            ({"pipeline_model_parallel_comm_backend": "ucc"}, {}),
+            NotImplementedError,
+            (
+                "initialize_model_parallel: pipeline_model_parallel_comm_backend='ucc' is not supported: pipeline groups "
+                "use the default group's backend 'gloo'"
+            ),
+        ),
+        (
+            initialize_per_rank,
+            ({"expert_model_parallel_size": 2, "use_sharp": True}, {}),
+            NotImplementedError,
+            (
+                "initialize_model_parallel: not supported by wf_mesh (dense tp/cp/pp/dp only): expert_model_parallel_size=2 "
+                "(expert parallelism), use_sharp=True (SHARP)"
+            ),
+        ),
     ],
-    ids=["bad-degree-on-one-rank", "bad-type-on-one-rank", "ranks-disagree-on-tp", "ranks-disagree-on-vpp",
-         "embedding-ranks-outside-pipeline", "initialized-twice", "ucc-pipeline-backend", "expert-parallel"],
-)  # fmt: skip
+    ids=[
+        "bad-degree-on-one-rank",
+        "bad-type-on-one-rank",
+        "ranks-disagree-on-tp",
+        "ranks-disagree-on-vpp",
+        "embedding-ranks-outside-pipeline",
+        "initialized-twice",
+        "ucc-pipeline-backend",
+        "expert-parallel",
+    ],
+)
 def test_initialize_errors_on_every_rank(fn, args, error, message):
     for exc in run_distributed(WORLD, fn, *args, return_exceptions=True):
         assert type(exc) is error
@@ -221,8 +291,13 @@ def getter_after_initialize(init_kwargs, getter):
 
 
 def test_gloo_groups_not_created():
-    for exc in run_distributed(WORLD, getter_after_initialize, {"create_gloo_process_groups": False},
-                               "get_data_parallel_group_gloo", return_exceptions=True):  # fmt: skip
+    for exc in run_distributed(
+        WORLD,
+        getter_after_initialize,
+        {"create_gloo_process_groups": False},
+        "get_data_parallel_group_gloo",
+        return_exceptions=True,
+    ):
         assert type(exc) is StateError
         assert str(exc) == "no Gloo groups: initialize_model_parallel was called with create_gloo_process_groups=False"
 
@@ -246,9 +321,14 @@ def test_embedding_group_outside_it():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"tp_size": 2, "tensor_model_parallel_size": 2}, TypeError,
-         ("initialize_model_parallel got both tp_size=2 and tensor_model_parallel_size=2: they are the same degree, "
-          "pass one")),
+        (
+            {"tp_size": 2, "tensor_model_parallel_size": 2},
+            TypeError,
+            (
+                "initialize_model_parallel got both tp_size=2 and tensor_model_parallel_size=2: they are the same degree, "
+                "pass one"
+            ),
+        ),
         ({"cp_size": 1, "context_parallel_size": 2}, TypeError, "got both cp_size=1 and context_parallel_size=2"),
         ({"pp_size": 2, "pipeline_model_parallel_size": 2}, TypeError, "got both pp_size=2 and pipeline_model"),
         ({"get_embedding_ranks": [0]}, TypeError, "get_embedding_ranks must be a callable"),
@@ -256,8 +336,11 @@ def test_embedding_group_outside_it():
         ({"distributed_timeout_minutes": 0}, ValueError, "distributed_timeout_minutes=0 must be > 0"),
         ({"distributed_timeout_minutes": "30"}, TypeError, "distributed_timeout_minutes must be a number"),
         ({"expert_model_parallel_size": 4}, NotImplementedError, "expert_model_parallel_size=4 (expert parallelism)"),
-        ({"tp_size": 2, "expert_tensor_parallel_size": 1}, NotImplementedError,
-         "expert_tensor_parallel_size=1 (a separate expert tensor-parallel layout; tensor_model_parallel_size=2)"),
+        (
+            {"tp_size": 2, "expert_tensor_parallel_size": 1},
+            NotImplementedError,
+            "expert_tensor_parallel_size=1 (a separate expert tensor-parallel layout; tensor_model_parallel_size=2)",
+        ),
         ({"hierarchical_context_parallel_sizes": [2, 2]}, NotImplementedError, "[2, 2] (hierarchical cp)"),
         ({"hybrid_context_parallel": True}, NotImplementedError, "hybrid_context_parallel=True"),
         ({"sharp_enabled_group": "dp"}, NotImplementedError, "sharp_enabled_group='dp' (SHARP)"),
@@ -267,7 +350,7 @@ def test_embedding_group_outside_it():
         ({"encoder_pipeline_model_parallel_size": 1}, NotImplementedError, "=1 (encoder pipeline)"),
         ({"pipeline_model_parallel_split_rank": 2}, NotImplementedError, "split_rank=2 (encoder pipeline)"),
     ],
-)  # fmt: skip
+)
 def test_local_errors_need_no_collective(kwargs, error, message):
     assert not dist.is_initialized()  # raised before torch.distributed is even looked at
     with pytest.raises(error) as info:
@@ -280,10 +363,15 @@ def test_megatron_order_and_expert_defaults_are_accepted_locally():
     features pass the local checks: what stops them here is only the missing torch.distributed."""
     with pytest.raises(StateError, match="initialize_model_parallel needs torch.distributed"):
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=2, order="tp-cp-ep-dp-pp", expert_model_parallel_size=1,
-            expert_tensor_parallel_size=2, hierarchical_context_parallel_sizes=None, create_all_gather_group=None,
-            encoder_tensor_model_parallel_size=None, high_priority_stream_groups=[],
-        )  # fmt: skip
+            tensor_model_parallel_size=2,
+            order="tp-cp-ep-dp-pp",
+            expert_model_parallel_size=1,
+            expert_tensor_parallel_size=2,
+            hierarchical_context_parallel_sizes=None,
+            create_all_gather_group=None,
+            encoder_tensor_model_parallel_size=None,
+            high_priority_stream_groups=[],
+        )
 
 
 def test_data_parallel_getter_argument_errors():

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from helpers import raised_everywhere
 from wf_mesh.errors import DisagreementError, PipelineStateError
 from wf_mesh.legacy.pipeline import PPScheduler, init_pp_scheduler, pp_scheduler, pp_scheduler_or_none
 from wf_mesh.pipeline import PipelineP2P, build_pipeline_stage
 from wf_mesh.testing import run_distributed
+
+from helpers import raised_everywhere
 
 # layout id -> (tp, cp, pp, dp); world = product
 LAYOUTS = {
@@ -246,15 +247,33 @@ def checked_mismatch(send_spec, expect_spec, catch):
     "send_spec, expect_spec, expected",
     [
         # the sender's payload is larger than the receive buffer: unchecked, gloo would SIGABRT the receiver
-        (((2, 4), torch.float32), ((2, 3), torch.float32), (r"expected shape \(2, 3\) dtype torch.float32, "
-                                                            r"received shape \(2, 4\) dtype torch.float32")),
-        (((4,), torch.bfloat16), ((4,), torch.float32), (r"expected shape \(4,\) dtype torch.float32, "
-                                                         r"received shape \(4,\) dtype torch.bfloat16")),
+        (
+            ((2, 4), torch.float32),
+            ((2, 3), torch.float32),
+            (
+                r"expected shape \(2, 3\) dtype torch.float32, "
+                r"received shape \(2, 4\) dtype torch.float32"
+            ),
+        ),
+        (
+            ((4,), torch.bfloat16),
+            ((4,), torch.float32),
+            (
+                r"expected shape \(4,\) dtype torch.float32, "
+                r"received shape \(4,\) dtype torch.bfloat16"
+            ),
+        ),
         # smaller: unchecked, the rest of the receive buffer would keep stale or uninitialised data
-        (((2, 2), torch.float32), ((2, 3), torch.float32), (r"expected shape \(2, 3\) dtype torch.float32, "
-                                                            r"received shape \(2, 2\) dtype torch.float32")),
+        (
+            ((2, 2), torch.float32),
+            ((2, 3), torch.float32),
+            (
+                r"expected shape \(2, 3\) dtype torch.float32, "
+                r"received shape \(2, 2\) dtype torch.float32"
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 def test_checked_mismatch_raises_on_receiver(send_spec, expect_spec, expected):
     prefix = r"checked receive on pp stage 1 from pp stage 0 \(global rank 0\): "
     with pytest.raises(ValueError, match=prefix + expected):
@@ -291,8 +310,10 @@ def checked_exchange_mismatch():
 def test_checked_exchange_mismatch_keeps_link_in_step():
     (err0, got0, legacy0), (err1, got1, legacy1) = run_distributed(2, checked_exchange_mismatch)
     assert err0 is None
-    assert err1.startswith("checked receive on pp stage 1 from pp stage 0 (global rank 0): expected shape (2, 2) "
-                           "dtype torch.float32, received shape (2, 3) dtype torch.float32")  # fmt: skip
+    assert err1.startswith(
+        "checked receive on pp stage 1 from pp stage 0 (global rank 0): expected shape (2, 2) "
+        "dtype torch.float32, received shape (2, 3) dtype torch.float32"
+    )
     assert got0 == (torch.ones(2, 3) + 1).tolist() and got1 == torch.ones(2, 3).tolist()
     mismatch = "expected shape (3,) dtype torch.float32, received shape (4,) dtype torch.float32"
     assert legacy0.startswith(f"checked receive on pp stage 0 from pp stage 1 (global rank 1): {mismatch}")

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import exec_block
 from wf_mesh.testing import run_distributed
+
+from helpers import exec_block
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

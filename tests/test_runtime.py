@@ -2,11 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
-
-import re
 
 import pytest
 import torch
@@ -25,16 +24,28 @@ CONFIG = {"distributed_backend": "gloo", "distributed_timeout_minutes": 5, "cp_s
         ({**CONFIG, "cp_size": None}, TypeError, "dist_init: config cp_size must be an int, got NoneType None"),
         ({**CONFIG, "cp_size": 2.9}, TypeError, "dist_init: config cp_size must be an int, got float 2.9"),
         ({**CONFIG, "pp_size": 0}, ValueError, "dist_init: config pp_size=0 must be >= 1"),
-        ({**CONFIG, "distributed_timeout_minutes": "30"}, TypeError,
-         "dist_init: config distributed_timeout_minutes must be a number of minutes, got str '30'"),
-        ({**CONFIG, "distributed_timeout_minutes": -1}, ValueError,
-         "dist_init: config distributed_timeout_minutes=-1 must be > 0"),
-        ({**CONFIG, "distributed_timeout_minutes": 0}, ValueError,
-         "dist_init: config distributed_timeout_minutes=0 must be > 0"),
-        ({**CONFIG, "distributed_backend": "mpi"}, ValueError,
-         "dist_init: config distributed_backend='mpi': use 'nccl', 'gloo' or None (auto)"),
+        (
+            {**CONFIG, "distributed_timeout_minutes": "30"},
+            TypeError,
+            "dist_init: config distributed_timeout_minutes must be a number of minutes, got str '30'",
+        ),
+        (
+            {**CONFIG, "distributed_timeout_minutes": -1},
+            ValueError,
+            "dist_init: config distributed_timeout_minutes=-1 must be > 0",
+        ),
+        (
+            {**CONFIG, "distributed_timeout_minutes": 0},
+            ValueError,
+            "dist_init: config distributed_timeout_minutes=0 must be > 0",
+        ),
+        (
+            {**CONFIG, "distributed_backend": "mpi"},
+            ValueError,
+            "dist_init: config distributed_backend='mpi': use 'nccl', 'gloo' or None (auto)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_key(config, error, message):
     with pytest.raises(error, match=re.escape(message)):
         wf_mesh.dist_init(config)
@@ -44,7 +55,9 @@ def test_config_errors_name_the_key(config, error, message):
 def test_environment_errors_name_the_variable(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(RuntimeError, match="environment variable WORLD_SIZE is not set but RANK is; launch with torchrun"):
+    with pytest.raises(
+        RuntimeError, match="environment variable WORLD_SIZE is not set but RANK is; launch with torchrun"
+    ):
         wf_mesh.dist_init(CONFIG)
     monkeypatch.setenv("WORLD_SIZE", "four")
     with pytest.raises(ValueError, match="dist_init: environment variable WORLD_SIZE='four' is not an integer"):
@@ -55,10 +68,13 @@ def test_environment_errors_name_the_variable(monkeypatch):
         wf_mesh.dist_init(CONFIG)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "6")
-    with pytest.raises(ValueError, match=re.escape(
-        "dist_init: world_size=6 is not divisible by tp*cp*pp = 1*4*1 = 4; cannot infer dp (WORLD_SIZE=6; config "
-        "tp_size, cp_size, pp_size, dp_size)"
-    )):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "dist_init: world_size=6 is not divisible by tp*cp*pp = 1*4*1 = 4; cannot infer dp (WORLD_SIZE=6; config "
+            "tp_size, cp_size, pp_size, dp_size)"
+        ),
+    ):
         wf_mesh.dist_init(SimpleNamespace(engine_config=SimpleNamespace(**{**CONFIG, "cp_size": 4})))
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="distributed_backend='nccl' needs CUDA, which is not available"):
@@ -105,8 +121,13 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_without_a_launcher_it_runs_as_one_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env={**env, "CUDA_VISIBLE_DEVICES": ""},
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["gloo", 1, {"tp": 0, "cp": 0, "pp": 0, "dp": 0}, "cpu"]
     assert "RANK and WORLD_SIZE are not set (no launcher): running as a single process" in out.stderr

@@ -24,8 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
 
 
-
-
 def start(cmd: list[str], marker: str) -> subprocess.Popen:
     env = {**os.environ, MARKER: marker}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

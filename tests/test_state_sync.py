@@ -11,12 +11,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import wf_mesh
-from helpers import raised_everywhere
 from wf_mesh import get_local_tensor_if_dtensor
 from wf_mesh.errors import DisagreementError
 from wf_mesh.mesh import hsdp_rank_grid
 from wf_mesh.state_sync import broadcast_dtensor_model_states, plan_buckets
 from wf_mesh.testing import run_distributed
+
+from helpers import raised_everywhere
 
 
 # ---- HSDP view: rank layout ------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_hsdp_rank_grid_is_the_documented_layout(world, kw, rep):
     assert sorted(grid.flatten().tolist()) == list(range(world))
     views = {tuple(map(tuple, view)) for view in grid.tolist()}
     for rank in range(world):
-        mesh, replicate, shard = expected_hsdp(dims, rep, rank)
+        mesh, _, shard = expected_hsdp(dims, rep, rank)
         assert tuple(map(tuple, mesh)) in views
         if rep == 1:
             assert shard == dims.group_of("dp_cp", rank)  # no replicas: the shard axis is exactly dp_cp
@@ -178,8 +179,10 @@ def chunk(full, shards, index):
 
 
 def states(model):
-    return {n: get_local_tensor_if_dtensor(t).detach().clone()
-            for n, t in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
+    return {
+        n: get_local_tensor_if_dtensor(t).detach().clone()
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+    }
 
 
 def broadcast_fsdp(mesh_kind, bucket_bytes):
@@ -197,8 +200,14 @@ def broadcast_fsdp(mesh_kind, bucket_bytes):
     fully_shard(model, mesh=mesh)
     before = states(model)
     count = broadcast_dtensor_model_states(model, target, bucket_bytes=bucket_bytes)
-    return {"states": states(model), "before": before, "count": count, "source": min(replicate),
-            "shard": mesh.get_local_rank("shard"), "shards": mesh.size(1)}  # fmt: skip
+    return {
+        "states": states(model),
+        "before": before,
+        "count": count,
+        "source": min(replicate),
+        "shard": mesh.get_local_rank("shard"),
+        "shards": mesh.size(1),
+    }
 
 
 @pytest.mark.parametrize("mesh_kind, bucket_bytes", [("view", 2**20), ("parallel_mesh", 64), ("legacy", 100)])
@@ -280,12 +289,24 @@ def broadcast_misuse(case):
 
 
 MISUSE = {
-    "no_axis": (ValueError, r"^broadcast_dtensor_model_states: the mesh has no axis 'replicate' \(axes: \['dp_rep'\]\)"),
+    "no_axis": (
+        ValueError,
+        r"^broadcast_dtensor_model_states: the mesh has no axis 'replicate' \(axes: \['dp_rep'\]\)",
+    ),
     "bucket_zero": (ValueError, r"^broadcast_dtensor_model_states: bucket_bytes=0 must be >= 1$"),
     "bucket_differs": (DisagreementError, r"ranks disagree on bucket_bytes \(rank 0: 8; rank 1: 9\)"),
-    "layout_differs": (DisagreementError, r"ranks disagree on the model layout \(tensors, elements, crc of names/dtypes/shapes\) \(rank 0: \(2, 8, '[0-9a-f]+'\); rank 1: \(2, 12, "),
-    "fsdp_then_hsdp": (ValueError, r"parameter or buffer 'scale' is a DTensor with placements \(Shard\(dim=0\),\) on DeviceMesh\(\(dp_cp=4\).*replicate group ranks \[2\] of \[0, 2\]|replicate group ranks \[0\] of \[0, 2\]|ranks \[3\] of \[1, 3\]|ranks \[1\] of \[1, 3\]"),
-    "hsdp_over_shard_axis": (ValueError, r"placements \(Replicate\(\), Shard\(dim=0\)\) on DeviceMesh\(\(replicate=2, shard=2\).*hold other data for it"),
+    "layout_differs": (
+        DisagreementError,
+        r"ranks disagree on the model layout \(tensors, elements, crc of names/dtypes/shapes\) \(rank 0: \(2, 8, '[0-9a-f]+'\); rank 1: \(2, 12, ",
+    ),
+    "fsdp_then_hsdp": (
+        ValueError,
+        r"parameter or buffer 'scale' is a DTensor with placements \(Shard\(dim=0\),\) on DeviceMesh\(\(dp_cp=4\).*replicate group ranks \[2\] of \[0, 2\]|replicate group ranks \[0\] of \[0, 2\]|ranks \[3\] of \[1, 3\]|ranks \[1\] of \[1, 3\]",
+    ),
+    "hsdp_over_shard_axis": (
+        ValueError,
+        r"placements \(Replicate\(\), Shard\(dim=0\)\) on DeviceMesh\(\(replicate=2, shard=2\).*hold other data for it",
+    ),
 }
 
 
@@ -297,8 +318,15 @@ def test_broadcast_misuse_raises_on_every_rank_before_data_moves(case):
 
 
 def test_plan_buckets_pure():
-    t = [torch.zeros(10), torch.zeros(10), torch.zeros(3, dtype=torch.int64), torch.zeros(30),
-         torch.zeros(5, dtype=torch.bool), torch.zeros(0), torch.zeros(1)]  # fmt: skip
+    t = [
+        torch.zeros(10),
+        torch.zeros(10),
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(30),
+        torch.zeros(5, dtype=torch.bool),
+        torch.zeros(0),
+        torch.zeros(1),
+    ]
     assert plan_buckets(t, 80) == [[0, 1], [2], [3], [4], [6]]
     assert plan_buckets(t, 2**20) == [[0, 1, 3, 6], [2], [4]]
     assert plan_buckets(t, 1) == [[0], [1], [2], [3], [4], [6]]
@@ -307,5 +335,7 @@ def test_plan_buckets_pure():
 
 
 def test_broadcast_takes_a_mesh():
-    with pytest.raises(TypeError, match=r"broadcast_dtensor_model_states: mesh must be a DeviceMesh or a ParallelMesh, got NoneType"):
+    with pytest.raises(
+        TypeError, match=r"broadcast_dtensor_model_states: mesh must be a DeviceMesh or a ParallelMesh, got NoneType"
+    ):
         broadcast_dtensor_model_states(nn.Linear(2, 2), None)

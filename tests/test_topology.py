@@ -148,7 +148,11 @@ def test_size_one_world():
         (dict(cp=-2), 8, "cp=-2 must be >= 1"),
         (dict(order="tp-cp-xx-dp"), 8, "bad order 'tp-cp-xx-dp': unknown axes ['xx'], repeated axes []"),
         (dict(order="tp-tp-pp-dp"), 8, "bad order 'tp-tp-pp-dp': unknown axes [], repeated axes ['tp']"),
-        (dict(cp=2, order="tp-pp-dp"), 8, "order 'tp-pp-dp' leaves out cp=2; an axis may be left out only if its degree is 1"),
+        (
+            dict(cp=2, order="tp-pp-dp"),
+            8,
+            "order 'tp-pp-dp' leaves out cp=2; an axis may be left out only if its degree is 1",
+        ),
         (dict(), 0, "world_size=0 must be >= 1"),
     ],
 )
@@ -171,7 +175,7 @@ def test_type_and_lookup_errors():
     with pytest.raises(ValueError, match="tp coordinate 2 out of range for tp=2"):
         dims.rank_of(tp=2)
     with pytest.raises(ValueError, match=r"dp is still -1 .*call .resolve\(world_size\) first"):
-        ParallelDims(tp=2).world_size
+        ParallelDims(tp=2).world_size  # noqa: B018 (the property raises)
 
 
 def test_plans_100k_ranks():

@@ -30,17 +30,23 @@ def test_plan_follows_find_split_without_global_state():
 @pytest.mark.parametrize(
     "call, error, message",
     [  # silently wrong before: H=5 over 2 ranks dropped a row, zero-length dims gave zero shapes
-        (lambda: wf_mesh.plan_video_split((1, 2, 1, 5, 4), 2), ValueError,
-         "H=5 over 2 ranks would not give equal blocks of whole 2-wide patches (each block 2, 1 left over); make H "
-         "a multiple of 4"),
+        (
+            lambda: wf_mesh.plan_video_split((1, 2, 1, 5, 4), 2),
+            ValueError,
+            "H=5 over 2 ranks would not give equal blocks of whole 2-wide patches (each block 2, 1 left over); make H "
+            "a multiple of 4",
+        ),
         (lambda: wf_mesh.find_split((1, 2, 1, 5, 4), 2), ValueError, "H=5 over 2 ranks would not give equal blocks"),
         (lambda: wf_mesh.plan_video_split((1, 2, 0, 4, 4), 2), ValueError, "shape[2] (T)=0 must be >= 1"),
         (lambda: wf_mesh.find_split((1, 16, 24, 88, 160), 2.5), TypeError, "cp_size must be an int, got float 2.5"),
-        (lambda: wf_mesh.find_split((1, 16, 24, 88, 160), 2, patch_values=(0, 2, 2)), ValueError,
-         "patch_values[0]=0 must be >= 1"),
+        (
+            lambda: wf_mesh.find_split((1, 16, 24, 88, 160), 2, patch_values=(0, 2, 2)),
+            ValueError,
+            "patch_values[0]=0 must be >= 1",
+        ),
         (lambda: wf_mesh.plan_video_split((1, 16, 24.0, 88, 160), 2), TypeError, "shape[2] (T) must be an int"),
     ],
-)  # fmt: skip
+)
 def test_plan_refuses_what_it_cannot_split_exactly(call, error, message):
     with pytest.raises(error, match=re.escape(message)):
         call()
@@ -69,8 +75,10 @@ def video_cp(shape, cp, tp):
     return tokens, torch.equal(local_pos, flat_pos), out, split.gather(tokens)
 
 
-@pytest.mark.parametrize("world, shape, cp, tp", [(2, (1, 3, 4, 4, 6), 2, 1), (4, (2, 3, 2, 8, 4), 4, 1),
-                                                  (4, (1, 2, 6, 4, 2), 2, 2), (8, (1, 2, 4, 8, 2), 8, 1)])
+@pytest.mark.parametrize(
+    "world, shape, cp, tp",
+    [(2, (1, 3, 4, 4, 6), 2, 1), (4, (2, 3, 2, 8, 4), 4, 1), (4, (1, 2, 6, 4, 2), 2, 2), (8, (1, 2, 4, 8, 2), 8, 1)],
+)
 def test_video_shard_gather_matches_single_process(world, shape, cp, tp):
     x = latent(shape)
     _, c, t, h, w = shape

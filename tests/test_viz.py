@@ -16,7 +16,6 @@ from torch.distributed.tensor import (
 )
 
 import wf_mesh
-from helpers import listed_groups
 from wf_mesh import ParallelDims
 from wf_mesh.testing import run_distributed
 from wf_mesh.viz import (
@@ -27,7 +26,9 @@ from wf_mesh.viz import (
     mesh_axes,
     parse_placement,
     show_topology,
-)  # fmt: skip
+)
+
+from helpers import listed_groups
 
 VOID = {"br", "hr", "img", "input", "meta", "link", "col", "wbr"}
 
@@ -75,16 +76,10 @@ def assert_readable_on_any_theme(page: str):
     assert "caption{white-space:nowrap" in page
 
 
-
-
-
-
 # ---- format_table and format_ranks ------------------------------------------------------------------
 def test_format_table():
     assert format_table(["name", "n"], [["a", 1], ["bb", 22]], align="lr") == "name   n\na      1\nbb    22"
-    assert format_table(["a", "b"], [["x", "y"]], rule=True, sep=" | ", indent="  ") == (
-        "  a | b\n  - | -\n  x | y"
-    )
+    assert format_table(["a", "b"], [["x", "y"]], rule=True, sep=" | ", indent="  ") == ("  a | b\n  - | -\n  x | y")
     assert format_table(None, [[1, 22], [333]], align="rr", sep=" ") == "  1 22\n333"
     assert format_table(["a"], []) == "a"
     with pytest.raises(ValueError, match=r"align 'lx': use one 'l' or 'r' per column"):
@@ -205,8 +200,13 @@ def test_cp_sub_axes_are_shown_in_text_and_html():
     assert "cp_ulysses       8     2  0=[0,2] 1=[1,3]" in text and "(Ulysses all-to-all)" in text
     page = view._repr_html_()
     captions = parse_html(page).captions
-    assert captions == ["tp (8 groups of 2)", "cp (4 groups of 4)", "cp_ulysses (8 groups of 2)",
-                        "cp_ring (8 groups of 2)", "dp (8 groups of 2)"]  # fmt: skip
+    assert captions == [
+        "tp (8 groups of 2)",
+        "cp (4 groups of 4)",
+        "cp_ulysses (8 groups of 2)",
+        "cp_ring (8 groups of 2)",
+        "dp (8 groups of 2)",
+    ]
     assert "<th>cp_ulysses</th>" in page and "<th>cp_ring0 dp1</th>" in page
     assert 'title="rank 6: tp0 cp3 pp0 dp0 (cp_ulysses1 cp_ring1), cp_ring group 2"' in page
     # pure Ulysses: cp_ring is a size-1 axis
@@ -244,7 +244,9 @@ def test_topology_of_a_billion_ranks_is_pure_arithmetic():
     text = str(TopologyView(ParallelDims(tp=2, cp=2).resolve(10**9)))
     assert "showing 16 of 250000000 rows and 4 of 4 columns (64 of 1000000000 ranks; the others are left out)" in text
     assert "tp_cp_dp           1  1000000000  0=[0-999999999]" in text
-    assert "dp                 4   250000000  0=[0,4,8,12,16,20,24,28,32,36,(249999989 more),999999996] (3 more)" in text
+    assert (
+        "dp                 4   250000000  0=[0,4,8,12,16,20,24,28,32,36,(249999989 more),999999996] (3 more)" in text
+    )
 
 
 def test_topology_bad_input():
@@ -442,9 +444,13 @@ def test_dtensor_views_match_plans():
         cp_ranks = dims.group_of("cp", rank)
         seq_plan = PlacementView.plan(SHAPE, 2, ["S(2)"], mesh_dim_names=("cp",), ranks=cp_ranks, highlight=rank)
         full_plan = PlacementView.plan(
-            SHAPE, dims.mesh_shape, ["S(0)", "R", "S(2)", "R"], mesh_dim_names=dims.mesh_dim_names,
-            dim_names="BCTHW", highlight=rank,
-        )  # fmt: skip
+            SHAPE,
+            dims.mesh_shape,
+            ["S(0)", "R", "S(2)", "R"],
+            mesh_dim_names=dims.mesh_dim_names,
+            dim_names="BCTHW",
+            highlight=rank,
+        )
         partial_plan = PlacementView.plan((3, 4), 2, ["P"], mesh_dim_names=("cp",), ranks=cp_ranks, highlight=rank)
         assert views == [str(seq_plan), str(full_plan), str(partial_plan)]
         assert html == full_plan._repr_html_()

@@ -55,11 +55,27 @@ MAX_FACTS = ROW - 4
 _OK, _RAISED = 0, 1
 
 DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.complex32,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    torch.uint16, torch.uint32, torch.uint64,
-)  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.complex32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
 """Every dtype a fact can name, by index (:func:`dtype_code`); the order is fixed (it is the wire format)."""
 
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
@@ -218,7 +234,7 @@ def agree(
         if len(mine) > MAX_FACTS:
             raise ValueError(f"{what}: too many facts to agree on ({len(mine)} > {MAX_FACTS})")
         status = _OK
-    except Exception as exc:  # noqa: BLE001 - every rank's verdict travels; re-raised below on all ranks
+    except Exception as exc:
         mine, status = (), _RAISED
         text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         text = text.removeprefix(f"{what}: ")
@@ -249,9 +265,7 @@ def agree(
     return Agreed(what, ranks, [tuple(r[4 : 4 + r[3]]) for r in table])
 
 
-def _gather_messages(
-    message: bytes, lengths: list[int], group: dist.ProcessGroup, device: torch.device
-) -> list[str]:
+def _gather_messages(message: bytes, lengths: list[int], group: dist.ProcessGroup, device: torch.device) -> list[str]:
     """All-gather each rank's UTF-8 message (``lengths[i] < 0``: the length is not known, exchange it first)."""
     if any(n < 0 for n in lengths):
         mine = torch.tensor([len(message)], dtype=torch.int64, device=device)

@@ -210,15 +210,29 @@ def cp_attention(
         value = 1.0 / math.sqrt(d) if scale is None else float(scale)
         state.update(tensors=tensors, scale=value)
         return [
-            METHODS.index(method), LAYOUTS.index(layout), int(bool(causal)), float_bits(value),
-            BALANCES.index(balance), int(pad is not None), bq, hq, hkv, d, dtype_code(lq.dtype), sq,
-        ]  # fmt: skip
+            METHODS.index(method),
+            LAYOUTS.index(layout),
+            int(bool(causal)),
+            float_bits(value),
+            BALANCES.index(balance),
+            int(pad is not None),
+            bq,
+            hq,
+            hkv,
+            d,
+            dtype_code(lq.dtype),
+            sq,
+        ]
 
     agreed = agree(group, facts, what="cp_attention", required=True)
     for label, index, show in (
-        ("method", 0, METHODS), ("layout", 1, LAYOUTS), ("causal", 2, (False, True)), ("scale", 3, None),
-        ("balance", 4, BALANCES), ("key_padding_mask presence", 5, (False, True)),
-    ):  # fmt: skip
+        ("method", 0, METHODS),
+        ("layout", 1, LAYOUTS),
+        ("causal", 2, (False, True)),
+        ("scale", 3, None),
+        ("balance", 4, BALANCES),
+        ("key_padding_mask presence", 5, (False, True)),
+    ):
         shown = (lambda r, i=index: _float(r[i])) if show is None else (lambda r, i=index, s=show: s[r[i]])
         agreed.require_same(label, shown, error=DisagreementError)
     agreed.require_same("(batch, query heads, kv heads, head dim)", lambda r: r[6:10], error=ShapeMismatchError)
@@ -445,7 +459,14 @@ class CPSelfAttention(nn.Module):
         b, s, c = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, c // self.heads).unbind(2)
         out = cp_attention(
-            q, k, v, method=self.method, mesh=self.mesh, layout="bshd", causal=self.causal,
-            key_padding_mask=key_padding_mask, balance=self.balance,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            method=self.method,
+            mesh=self.mesh,
+            layout="bshd",
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            balance=self.balance,
+        )
         return self.proj(out.reshape(b, s, c))

@@ -251,9 +251,18 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
         if qq.shape[2] and kk.shape[2]:
             p = None if bpad is None else bpad[:, cols]
             g = attend_block_backward(
-                dout[:, :, rows], qq, kk, bv[:, :, cols], out[:, :, rows], lse[:, :, rows], p, causal, aligned,
-                plan.scale, plan.fused,
-            )  # fmt: skip
+                dout[:, :, rows],
+                qq,
+                kk,
+                bv[:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                p,
+                causal,
+                aligned,
+                plan.scale,
+                plan.fused,
+            )
             dq[:, :, rows] += g[0]
             dk[:, :, cols] += g[1]
             dv[:, :, cols] += g[2]
@@ -392,5 +401,3 @@ def gather_mask_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int
     recv = pad.new_empty(group.size() * longest, pad.shape[0])
     dist.all_gather_single(recv, send, group=group)
     return recv.t()
-
-

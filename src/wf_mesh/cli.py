@@ -52,7 +52,7 @@ __all__ = [
     "demo_command",
     "interruptible",
     "main",
-]  # fmt: skip
+]
 
 DEFAULT_RDZV_TIMEOUT = 300.0
 """Seconds ``wf-mesh demo`` waits for a rendezvous (other nodes, or the other ranks joining the gloo world)."""
@@ -170,13 +170,21 @@ class ProcessTree:
         out = log if log is not None else subprocess.PIPE
         err = subprocess.STDOUT if log is not None else subprocess.PIPE
         self.proc = subprocess.Popen(
-            list(cmd), env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+            list(cmd),
+            env=env,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self._threads = []
         if log is None:
-            for stream, sink in ((self.proc.stdout, on_stdout or _writer(sys.stdout)),
-                                 (self.proc.stderr, on_stderr or _writer(sys.stderr))):  # fmt: skip
+            for stream, sink in (
+                (self.proc.stdout, on_stdout or _writer(sys.stdout)),
+                (self.proc.stderr, on_stderr or _writer(sys.stderr)),
+            ):
                 thread = threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
                 thread.start()
                 self._threads.append(thread)
@@ -264,9 +272,12 @@ def _add_degrees(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
     parser.add_argument(
-        "--cp-ulysses", type=int, default=1, metavar="N",
+        "--cp-ulysses",
+        type=int,
+        default=1,
+        metavar="N",
         help="split cp into cp_ring x cp_ulysses (Ulysses the faster sub-axis) and show both; default 1",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--order", default="tp-cp-pp-dp", help="rank order, fastest-varying axis first (default tp-cp-pp-dp)"
     )
@@ -301,10 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-backend", choices=("c10d", "static"), default="c10d", help="default c10d")
     nodes.add_argument("--rdzv-id", default="wf-mesh-demo", help="job id, the same on every node")
     nodes.add_argument(
-        "--rdzv-timeout", type=_positive(float), default=DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
+        "--rdzv-timeout",
+        type=_positive(float),
+        default=DEFAULT_RDZV_TIMEOUT,
+        metavar="SECONDS",
         help=f"give up when waiting longer than this for the other nodes to join, or for the ranks to join the "
         f"gloo world (default {DEFAULT_RDZV_TIMEOUT:g})",
-    )  # fmt: skip
+    )
     demo.set_defaults(func=_demo)
     return parser
 
@@ -329,7 +343,7 @@ def _plan(args: argparse.Namespace) -> int:
         page = view._repr_html_() if args.html else None
     except (TypeError, ValueError) as e:
         raise _UsageError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - whatever the view cannot do is one line, not a traceback
+    except Exception as e:
         raise _UsageError(f"cannot show this plan ({dims}): {type(e).__name__}: {e}") from None
     if page is not None:
         try:
@@ -367,15 +381,40 @@ def demo_command(
         launch = ["--standalone"]
     else:
         seconds = math.ceil(rdzv_timeout)
-        launch = ["--nnodes", str(nnodes), *(["--node-rank", str(node_rank)] if node_rank is not None else []),
-                  "--rdzv-backend", rdzv_backend, "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", rdzv_id,
-                  "--rdzv-conf", f"join_timeout={seconds},timeout={seconds}"]  # fmt: skip
+        launch = [
+            "--nnodes",
+            str(nnodes),
+            *(["--node-rank", str(node_rank)] if node_rank is not None else []),
+            "--rdzv-backend",
+            rdzv_backend,
+            "--rdzv-endpoint",
+            str(rdzv_endpoint),
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            f"join_timeout={seconds},timeout={seconds}",
+        ]
     ulysses = ["--cp-ulysses", str(dims.cp_ulysses)] if dims.cp_ulysses != 1 else []
     return [
-        sys.executable, "-m", "wf_mesh.demo", "launch", *launch, "--nproc-per-node", str(nproc),
-        "-m", "wf_mesh.demo",
-        "--tp", str(dims.tp), "--cp", str(dims.cp), "--pp", str(dims.pp), *ulysses, "--order", dims.order,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "wf_mesh.demo",
+        "launch",
+        *launch,
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "wf_mesh.demo",
+        "--tp",
+        str(dims.tp),
+        "--cp",
+        str(dims.cp),
+        "--pp",
+        str(dims.pp),
+        *ulysses,
+        "--order",
+        dims.order,
+    ]
 
 
 def _check_nodes(args: argparse.Namespace) -> None:
@@ -443,12 +482,18 @@ class _DemoWatch:
             return
         if counts["started"] == 0:
             if args.nnodes > 1:
-                what = (f"{args.nnodes} nodes to join the {args.rdzv_backend} rendezvous at {args.rdzv_endpoint} "
-                        f"(id {args.rdzv_id})")  # fmt: skip
+                what = (
+                    f"{args.nnodes} nodes to join the {args.rdzv_backend} rendezvous at {args.rdzv_endpoint} "
+                    f"(id {args.rdzv_id})"
+                )
             else:
                 what = "torchrun to start the workers"
             if now - self.start > timeout:
-                hint = "; is it running on every node, with the same --rdzv-endpoint and --rdzv-id?" if args.nnodes > 1 else ""
+                hint = (
+                    "; is it running on every node, with the same --rdzv-endpoint and --rdzv-id?"
+                    if args.nnodes > 1
+                    else ""
+                )
                 raise _Failure(f"gave up after {timeout:g} s waiting for {what}{hint}")
             self._say(f"waiting for {what}; giving up after {timeout:g} s (--rdzv-timeout)", now)
             return
@@ -477,9 +522,15 @@ def _demo(args: argparse.Namespace) -> int:
         where = f"--nproc {args.nproc}" if args.nnodes == 1 else f"--nnodes {args.nnodes} x --nproc {args.nproc}"
         raise _UsageError(f"{where}: {e}") from None
     cmd = demo_command(
-        args.nproc, dims, nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id, rdzv_timeout=args.rdzv_timeout,
-    )  # fmt: skip
+        args.nproc,
+        dims,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id,
+        rdzv_timeout=args.rdzv_timeout,
+    )
     where = "this machine" if args.nnodes == 1 else f"this node of {args.nnodes} ({world_size} ranks in all)"
     procs = f"{args.nproc} CPU process{'es' if args.nproc > 1 else ''}"
     print(f"wf-mesh demo: launching {procs} on {where} with torchrun: {dims}", flush=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import importlib
 import os
-import pickle
 import struct
 import warnings
 from typing import Any
@@ -240,7 +239,11 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
         return _broadcast_pickled(item, agreed, encoded, process_group, is_source)
     device = agreement.comm_device(process_group)
     _, size, tensor_bytes, _ = agreed.rows[0]
-    data = torch.frombuffer(encoded, dtype=torch.uint8).to(device) if is_source else torch.empty(size, dtype=torch.uint8, device=device)
+    data = (
+        torch.frombuffer(encoded, dtype=torch.uint8).to(device)
+        if is_source
+        else torch.empty(size, dtype=torch.uint8, device=device)
+    )
     dist.broadcast(data, group=process_group, group_src=0)
     if is_source:
         payload = torch.cat([bytes_of(t.detach()).to(device) for t in tensors]) if tensors else None
@@ -267,7 +270,7 @@ def _broadcast_tensor(item: Any, agreed: agreement.Agreed, group: dist.ProcessGr
     ]
     if disagree:
         every = ", ".join(
-            f"rank {rank}: {f'Tensor{tuple(row[4:4 + row[2]])} {agreement.DTYPES[row[1]]}' if row[0] == _TENSOR else 'no tensor'}"
+            f"rank {rank}: {f'Tensor{tuple(row[4 : 4 + row[2]])} {agreement.DTYPES[row[1]]}' if row[0] == _TENSOR else 'no tensor'}"
             for rank, row in zip(agreed.ranks, agreed.rows)
         )
         raise ShapeMismatchError(
@@ -276,9 +279,11 @@ def _broadcast_tensor(item: Any, agreed: agreement.Agreed, group: dist.ProcessGr
         )
     device = agreement.comm_device(group)
     shape = tuple(src[4 : 4 + ndim])
-    data = bytes_of(item.detach()).to(device) if is_source else torch.empty(
-        torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device
-    )  # fmt: skip
+    data = (
+        bytes_of(item.detach()).to(device)
+        if is_source
+        else torch.empty(torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+    )
     if data.numel():
         dist.broadcast(data, group=group, group_src=0)
     return item if is_source else tensor_from_bytes(data, dtype, shape)

@@ -191,8 +191,7 @@ def gather_sequence(
                 raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")
             dim, local_shape = normalize_dim(seq_dim, x.ndim), x.shape
             total = -1 if seq_len is None else as_int("seq_len", seq_len, minimum=0)
-        return [int(dtensor), dim, total, _GRAD_RULES.index(grad), agreement.dtype_code(x.dtype), x.ndim,
-                *local_shape]  # fmt: skip
+        return [int(dtensor), dim, total, _GRAD_RULES.index(grad), agreement.dtype_code(x.dtype), x.ndim, *local_shape]
 
     agreed = agreement.agree(group_mesh.get_group(), facts, what="gather_sequence")
     parts, index = group_mesh.size(), group_mesh.get_local_rank()

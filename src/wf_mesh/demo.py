@@ -289,7 +289,7 @@ def run_checks(
             status, message = "ok", check(ctx)
         except CheckSkipped as e:
             status, message = "skip", e.args[0]
-        except Exception as e:  # noqa: BLE001 - reported, with the rank, to rank 0
+        except Exception as e:
             status, message = "fail", e.args[0] if isinstance(e, CheckFailed) else f"{type(e).__name__}: {e}"
         outcomes: list[tuple[str, str, float]] = [None] * ctx.world_size  # type: ignore[list-item]
         dist.all_gather_object(outcomes, (status, message, time.perf_counter() - start))
@@ -375,9 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
     try:
-        dims = ParallelDims(
-            tp=args.tp, cp=args.cp, pp=args.pp, order=args.order, cp_ulysses=args.cp_ulysses
-        ).resolve(world_size)
+        dims = ParallelDims(tp=args.tp, cp=args.cp, pp=args.pp, order=args.order, cp_ulysses=args.cp_ulysses).resolve(
+            world_size
+        )
     except (TypeError, ValueError) as e:
         if rank == 0:
             print(f"wf_mesh.demo: error: {e}", file=sys.stderr)

@@ -81,12 +81,20 @@ class LocalShards:
 
 
 def check_same_layout(
-    op: str, a: LocalShards, b_names: list[str], b: list[torch.Tensor], labels: tuple[str, str], hint: str,
-    *, by_name: bool,
-) -> None:  # fmt: skip
+    op: str,
+    a: LocalShards,
+    b_names: list[str],
+    b: list[torch.Tensor],
+    labels: tuple[str, str],
+    hint: str,
+    *,
+    by_name: bool,
+) -> None:
     """Same count, names (``by_name``) and local shapes, else a ValueError naming the first difference."""
     if len(a.locals) != len(b):
-        raise ValueError(f"{op}: the {labels[0]} has {len(a.locals)} parameters but the {labels[1]} has {len(b)}; {hint}")
+        raise ValueError(
+            f"{op}: the {labels[0]} has {len(a.locals)} parameters but the {labels[1]} has {len(b)}; {hint}"
+        )
     for a_name, x, b_name, y in zip(a.names, a.locals, b_names, b):
         if by_name and a_name != b_name:
             raise ValueError(

@@ -265,14 +265,35 @@ def _agree_on_creation(
         extra = sorted(_extra_axes(d, extra_axes))
         resolved[:] = [d, device, check]
         return [
-            d.tp, d.cp, d.pp, d.dp, d.cp_ulysses, _ORDERS.index(d.order), dp_replicate or 0, _timeout_ms(timeout),
-            _DEVICE_TYPES.index(device), int(check), zlib.crc32(repr(sorted(config.items())).encode()),
+            d.tp,
+            d.cp,
+            d.pp,
+            d.dp,
+            d.cp_ulysses,
+            _ORDERS.index(d.order),
+            dp_replicate or 0,
+            _timeout_ms(timeout),
+            _DEVICE_TYPES.index(device),
+            int(check),
+            zlib.crc32(repr(sorted(config.items())).encode()),
             zlib.crc32(repr(extra).encode()),
-        ]  # fmt: skip
+        ]
 
     agreed = agreement.agree(dist.group.WORLD, facts, what="init_parallel", required=True)
-    names = ["tp", "cp", "pp", "dp", "cp_ulysses", "order", "dp_replicate", "timeout", "device_type", "checks",
-             "nccl_config", "extra_axes"]  # fmt: skip
+    names = [
+        "tp",
+        "cp",
+        "pp",
+        "dp",
+        "cp_ulysses",
+        "order",
+        "dp_replicate",
+        "timeout",
+        "device_type",
+        "checks",
+        "nccl_config",
+        "extra_axes",
+    ]
     render = {
         "order": lambda v: _ORDERS[v],
         "timeout": lambda v: "the default group's" if v < 0 else f"{v / 1000:g} s",
@@ -283,8 +304,11 @@ def _agree_on_creation(
         "extra_axes": lambda v: f"crc {v:08x}",
     }
     for i, name in enumerate(names):
-        agreed.require_same(name, lambda row, i=i, name=name: render.get(name, int)(row[i]),
-                            hint="; every rank must build the same mesh")  # fmt: skip
+        agreed.require_same(
+            name,
+            lambda row, i=i, name=name: render.get(name, int)(row[i]),
+            hint="; every rank must build the same mesh",
+        )
     return tuple(resolved)
 
 
@@ -359,9 +383,12 @@ def init_parallel(
         add_flattened(name, members, options(name, dims.degree(members)))
     if dims.cp_ulysses > 1:
         split = _compat.unflatten(
-            root, "cp", (dims.cp_ring, dims.cp_ulysses), ("cp_ring", "cp_ulysses"),
+            root,
+            "cp",
+            (dims.cp_ring, dims.cp_ulysses),
+            ("cp_ring", "cp_ulysses"),
             {a: o for a in SUB_AXES if (o := options(a, dims.degree(a))) is not None},
-        )  # fmt: skip
+        )
         axes["cp_ring"], axes["cp_ulysses"] = split["cp_ring"], split["cp_ulysses"]
         meshes.append(split)
     if backend == "nccl":

@@ -146,7 +146,6 @@ __all__ = [
 ]
 
 
-
 def _forget_cp_size_t(destroy_process_groups: bool) -> None:
     globals().pop("cp_size_t", None)
 

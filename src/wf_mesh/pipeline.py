@@ -93,7 +93,7 @@ class PendingRecv:
     mismatch drains the payload into a scratch buffer and raises ValueError.
     """
 
-    __slots__ = ("_error", "_headers", "_header", "_header_work", "_src", "tensor", "work")
+    __slots__ = ("_error", "_header", "_header_work", "_headers", "_src", "tensor", "work")
 
     def __init__(self, tensor: torch.Tensor, work: dist.Work | None, headers: _Headers | None = None) -> None:
         self.tensor = tensor
@@ -312,7 +312,9 @@ class PipelineP2P:
             for i, (header, (buf, src)) in enumerate(zip(headers, recvs)):
                 targets[i], error = self._headers.verify(header, buf, src)
                 errors += [error] if error else []
-        self._batch([(dist.isend, t, dst) for t, dst in sends] + [(dist.irecv, t, src) for t, (_, src) in zip(targets, recvs)])
+        self._batch(
+            [(dist.isend, t, dst) for t, dst in sends] + [(dist.irecv, t, src) for t, (_, src) in zip(targets, recvs)]
+        )
         if errors:
             raise ValueError("; ".join(errors))
         received = iter(buf for buf, _ in recvs)

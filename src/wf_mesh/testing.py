@@ -72,9 +72,13 @@ class RemoteTraceback(Exception):
 
 def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=host, MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=host,
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
@@ -85,7 +89,7 @@ def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) 
             message = conn.recv()
         except EOFError:
             break
-        except Exception as exc:  # noqa: BLE001 - the function could not be unpickled here
+        except Exception as exc:
             message = ("unpicklable", exc)
         if message is None:
             break
@@ -95,7 +99,7 @@ def _worker(rank: int, world_size: int, host: str, port: int, conn: Connection) 
             _store_barrier(store, f"run{runs}", world_size)
             _cleanup()
             conn.send(("clean",))
-        except Exception:  # noqa: BLE001 - reported to the caller, then this worker stops
+        except Exception:
             conn.send(("unclean", traceback.format_exc()))
             break
     dist.destroy_process_group()
@@ -112,11 +116,11 @@ def _call(message: tuple) -> tuple:
     random.seed(0)
     try:
         result = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+    except BaseException as exc:
         return ("error", _picklable(exc), traceback.format_exc(), time.time())
     try:
         pickle.dumps(result)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         error = TypeError(f"the result of {getattr(fn, '__name__', fn)} is not picklable: {exc}")
         return ("error", error, "", time.time())
     return ("ok", result)
@@ -167,7 +171,7 @@ def _check_importable(fn: Callable[..., Any]) -> None:
         raise TypeError(f"{name} is defined in an interactive __main__ (no file); {_IMPORTABLE}")
     try:
         pickle.dumps(fn)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TypeError(f"{name} cannot be sent to the workers ({type(exc).__name__}: {exc}); {_IMPORTABLE}") from None
 
 
@@ -273,10 +277,12 @@ class LocalCluster:
         outcomes: list[Any] = []
         for rank, reply in enumerate(replies):
             if reply is None:
-                outcomes.append(TimeoutError(
-                    f"rank {rank} of {self.world_size} did not finish {what}: it was still running when "
-                    f"rank(s) {raised} had raised {ERROR_GRACE:g} s earlier, so the cluster was stopped"
-                ))  # fmt: skip
+                outcomes.append(
+                    TimeoutError(
+                        f"rank {rank} of {self.world_size} did not finish {what}: it was still running when "
+                        f"rank(s) {raised} had raised {ERROR_GRACE:g} s earlier, so the cluster was stopped"
+                    )
+                )
             elif reply[0] == "error":
                 _, exc, tb, _ = reply
                 if hasattr(exc, "add_note"):

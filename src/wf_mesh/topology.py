@@ -182,8 +182,7 @@ class ParallelDims:
             return resolved
         if model * self.dp != world_size:
             raise DegreeError(
-                f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {model * self.dp} != "
-                f"world_size={world_size}"
+                f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {model * self.dp} != world_size={world_size}"
             )
         return self
 
@@ -262,9 +261,9 @@ class ParallelDims:
         return tuple(a for a in self._atom_order() if a in names)
 
     def _atom_order(self) -> tuple[str, ...]:
-        return tuple(itertools.chain.from_iterable(
-            ("cp_ulysses", "cp_ring") if a == "cp" else (a,) for a in self.axis_order
-        ))  # fmt: skip
+        return tuple(
+            itertools.chain.from_iterable(("cp_ulysses", "cp_ring") if a == "cp" else (a,) for a in self.axis_order)
+        )
 
     def _atom_sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "cp_ulysses": self.cp_ulysses, "cp_ring": self.cp_ring, "pp": self.pp, "dp": self.dp}

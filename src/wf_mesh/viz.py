@@ -31,9 +31,17 @@ from wf_mesh.sizing import chunk_range
 from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
 
 __all__ = [
-    "PLAN_AXES", "PlacementSpec", "PlacementView", "RankSlice", "TopologyView", "format_ranks", "format_table",
-    "mesh_axes", "parse_placement", "show_topology",
-]  # fmt: skip
+    "PLAN_AXES",
+    "PlacementSpec",
+    "PlacementView",
+    "RankSlice",
+    "TopologyView",
+    "format_ranks",
+    "format_table",
+    "mesh_axes",
+    "parse_placement",
+    "show_topology",
+]
 
 PLAN_AXES: tuple[str, ...] = (*AXES, *DERIVED_AXES)
 """The four base axes, then the derived ones: the axes every ParallelMesh has."""
@@ -261,12 +269,14 @@ def _html_rows(rows: Iterable[Sequence[str]], tag: str = "td", align: str = "") 
     """Table rows; ``align`` as in :func:`format_table` (cells are right-aligned unless "l")."""
     left = ' style="text-align:left"'
     return "".join(
-        "<tr>" + "".join(
+        "<tr>"
+        + "".join(
             f"<{tag}{left if i < len(align) and align[i] == 'l' else ''}>{html.escape(str(c))}</{tag}>"
             for i, c in enumerate(row)
-        ) + "</tr>"
+        )
+        + "</tr>"
         for row in rows
-    )  # fmt: skip
+    )
 
 
 def _html_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str = "") -> str:
@@ -297,9 +307,18 @@ class TopologyView:
     is shown: fast for any world size.
     """
 
-    def __init__(self, dims_or_mesh: Any, axis: str | None = None, *, highlight: int | None = None,
-                 max_rows: int = 16, max_cols: int = 16, max_groups: int = 16, max_ranks: int = 12,
-                 width: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dims_or_mesh: Any,
+        axis: str | None = None,
+        *,
+        highlight: int | None = None,
+        max_rows: int = 16,
+        max_cols: int = 16,
+        max_groups: int = 16,
+        max_ranks: int = 12,
+        width: int = 100,
+    ) -> None:
         dims = getattr(dims_or_mesh, "dims", dims_or_mesh)
         if not isinstance(dims, ParallelDims):
             raise TypeError(f"TopologyView needs a ParallelDims or a ParallelMesh, got {type(dims_or_mesh).__name__}")
@@ -310,8 +329,12 @@ class TopologyView:
             raise ValueError(f"highlight rank {self.highlight} is out of range for world size {world}")
         if axis is not None:
             parse_axes(axis)  # ValueError for an unknown axis
-        for name, value in (("max_rows", max_rows), ("max_cols", max_cols), ("max_groups", max_groups),
-                            ("max_ranks", max_ranks)):  # fmt: skip
+        for name, value in (
+            ("max_rows", max_rows),
+            ("max_cols", max_cols),
+            ("max_groups", max_groups),
+            ("max_ranks", max_ranks),
+        ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         if axis is not None:
@@ -335,7 +358,7 @@ class TopologyView:
             col_atoms.append(atom)
         self.nrows = world // self.ncols
         self.col_atoms = col_atoms
-        self.row_atoms = self.atoms[len(col_atoms):]
+        self.row_atoms = self.atoms[len(col_atoms) :]
         self.shown_rows = min(self.nrows, max_rows)
         self.shown_cols = min(self.ncols, max_cols)
 
@@ -379,9 +402,11 @@ class TopologyView:
             f"world {d.world_size} = tp {d.tp} x {cp} x pp {d.pp} x dp {d.dp}, order {d.order} (fastest first)",
             f"rank = {formula}",
             f"root DeviceMesh dims {d.mesh_dim_names}, shape {d.mesh_shape}",
-            (f"grid: {_plural(self.nrows, 'row')} ({' x '.join(a.name for a in self.row_atoms) or '-'}) x "
-            f"{_plural(self.ncols, 'column')} ({' x '.join(a.name for a in self.col_atoms) or '-'}), "
-            f"rank = row * {self.ncols} + column"),
+            (
+                f"grid: {_plural(self.nrows, 'row')} ({' x '.join(a.name for a in self.row_atoms) or '-'}) x "
+                f"{_plural(self.ncols, 'column')} ({' x '.join(a.name for a in self.col_atoms) or '-'}), "
+                f"rank = row * {self.ncols} + column"
+            ),
         ]
         if self.axes:
             lines.append("each axis's grid: a rank's group number on that axis (its index in dims.groups(axis))")
@@ -476,25 +501,32 @@ class TopologyView:
         more_cols = self.shown_cols < self.ncols
         cut_td = '<td class="cut">…</td>' if more_cols else ""
         header = "".join(
-            f"<tr><th>{html.escape(name)}</th>" + "".join(f"<th>{c}</th>" for c in coords)
-            + ('<th class="cut">…</th>' if more_cols else "") + "</tr>"
+            f"<tr><th>{html.escape(name)}</th>"
+            + "".join(f"<th>{c}</th>" for c in coords)
+            + ('<th class="cut">…</th>' if more_cols else "")
+            + "</tr>"
             for name, coords in self._col_coords()
-        )  # fmt: skip
+        )
         tables = []
         for axis in self.axes or (None,):
             ids = self.group_ids(axis) if axis else [[None] * len(grid[0])] * len(grid)
             rows = [
                 f"<tr><th>{html.escape(self._row_label(r))}</th>"
-                + "".join(self._td(rank, axis, g) for rank, g in zip(row, row_ids)) + cut_td + "</tr>"
+                + "".join(self._td(rank, axis, g) for rank, g in zip(row, row_ids))
+                + cut_td
+                + "</tr>"
                 for r, (row, row_ids) in enumerate(zip(grid, ids))
-            ]  # fmt: skip
+            ]
             if self.shown_rows < self.nrows:
-                rows.append(f'<tr><th class="cut">…</th><td class="cut" colspan="{len(grid[0]) + more_cols}">'
-                            f"{self.nrows - self.shown_rows} more rows</td></tr>")  # fmt: skip
+                rows.append(
+                    f'<tr><th class="cut">…</th><td class="cut" colspan="{len(grid[0]) + more_cols}">'
+                    f"{self.nrows - self.shown_rows} more rows</td></tr>"
+                )
             caption = html.escape(self._caption(axis) if axis else "ranks")
-            tables.append(f'<table><caption>{caption}</caption>{header}{"".join(rows)}</table>')
-        groups = _html_table(["axis", "groups", "size", "groups (number=[ranks in group order])"],
-                             self._group_rows(), align="lrrl")  # fmt: skip
+            tables.append(f"<table><caption>{caption}</caption>{header}{''.join(rows)}</table>")
+        groups = _html_table(
+            ["axis", "groups", "size", "groups (number=[ranks in group order])"], self._group_rows(), align="lrrl"
+        )
         return (
             f'{_STYLE}<div class="wf-mesh-view">{_html_notes(self._notes())}'
             f'<div style="display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start">{"".join(tables)}</div>'
@@ -528,8 +560,9 @@ def _spec(placement: Any) -> PlacementSpec:
     if isinstance(placement, PlacementSpec):
         return placement
     if isinstance(placement, str):
-        m = re.fullmatch(r"(S|Shard|R|Replicate|P|Partial)(?:\((?:dim=|reduce_op=)?([^)]*)\))?",
-                         placement.replace(" ", ""))  # fmt: skip
+        m = re.fullmatch(
+            r"(S|Shard|R|Replicate|P|Partial)(?:\((?:dim=|reduce_op=)?([^)]*)\))?", placement.replace(" ", "")
+        )
         kind, arg = (m[1][0], m[2] or "") if m else ("", "")
         if kind == "S" and re.fullmatch(r"-?\d+", arg):
             return PlacementSpec("S", int(arg))
@@ -586,8 +619,9 @@ class PlacementView:
     via ``_repr_html_``. Rows past ``max_rows`` are cut, with a line saying how many.
     """
 
-    def __init__(self, dtensor: Any, *, dim_names: Sequence[str] | None = None, highlight: int | None = None,
-                 max_rows: int = 32) -> None:  # fmt: skip
+    def __init__(
+        self, dtensor: Any, *, dim_names: Sequence[str] | None = None, highlight: int | None = None, max_rows: int = 32
+    ) -> None:
         DTensor = None
         if "torch" in sys.modules:  # a DTensor exists only once torch is imported
             from torch.distributed.tensor import DTensor
@@ -599,13 +633,30 @@ class PlacementView:
         if highlight is None and dist.is_initialized():
             highlight = dist.get_rank()
         ranks = mesh.mesh.flatten().tolist()
-        self._setup(dtensor.shape, tuple(mesh.mesh.shape), ranks, mesh.mesh_dim_names, dtensor.placements,
-                    dim_names, highlight, max_rows)  # fmt: skip
+        self._setup(
+            dtensor.shape,
+            tuple(mesh.mesh.shape),
+            ranks,
+            mesh.mesh_dim_names,
+            dtensor.placements,
+            dim_names,
+            highlight,
+            max_rows,
+        )
 
     @classmethod
-    def plan(cls, shape: Sequence[int], mesh_shape: int | Sequence[int], placements: Sequence[Any], *,
-             mesh_dim_names: Sequence[str] | None = None, ranks: Any = None, dim_names: Sequence[str] | None = None,
-             highlight: int | None = None, max_rows: int = 32) -> PlacementView:  # fmt: skip
+    def plan(
+        cls,
+        shape: Sequence[int],
+        mesh_shape: int | Sequence[int],
+        placements: Sequence[Any],
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        ranks: Any = None,
+        dim_names: Sequence[str] | None = None,
+        highlight: int | None = None,
+        max_rows: int = 32,
+    ) -> PlacementView:
         """The view of a tensor of ``shape`` placed on a mesh of ``mesh_shape`` (global ranks ``ranks``: nested
         lists or a tensor of that shape, default ``0..N-1`` row-major) with one placement per mesh axis (torch
         placements or the short forms ``"S(d)"``, ``"R"``, ``"P"``). Pure."""
@@ -631,8 +682,11 @@ class PlacementView:
         self.highlight, self.max_rows = highlight, max_rows
         parsed = [_spec(p) for p in placements]
         mesh, tensor = (len(self.mesh_shape), f"mesh {self.mesh_shape}"), (len(self.shape), f"tensor {self.shape}")
-        for what, names, (n, of) in [("mesh_dim_names", self.mesh_dim_names, mesh), ("placements", parsed, mesh),
-                                     ("dim_names", self.dim_names, tensor)]:  # fmt: skip
+        for what, names, (n, of) in [
+            ("mesh_dim_names", self.mesh_dim_names, mesh),
+            ("placements", parsed, mesh),
+            ("dim_names", self.dim_names, tensor),
+        ]:
             if len(names) != n:
                 raise ValueError(f"{what} ({', '.join(map(str, names))}): {len(names)} given for a {n}-D {of}")
         for i, p in enumerate(parsed):
@@ -669,8 +723,10 @@ class PlacementView:
         n_slices = math.prod(s for s, p in zip(self.mesh_shape, self.placements) if p.kind == "S")
         lines = [
             f"shape {self.shape} on mesh {mesh}, placements ({', '.join(map(str, self.placements))})",
-            (f"{_plural(self.num_ranks, 'rank')}, {_plural(n_slices, 'distinct slice')} "
-            "(same slice = same index ranges)"),
+            (
+                f"{_plural(self.num_ranks, 'rank')}, {_plural(n_slices, 'distinct slice')} "
+                "(same slice = same index ranges)"
+            ),
         ]
         for name, p in zip(self.mesh_dim_names, self.placements):
             if p.kind == "P":
@@ -682,8 +738,12 @@ class PlacementView:
     def _cut_note(self, shown: int) -> list[str]:
         if shown >= self.num_ranks:
             return []
-        return [(f"... {_plural(self.num_ranks - shown, 'more rank')} not shown ({shown} of {self.num_ranks}; "
-                f"max_rows={self.max_rows})")]  # fmt: skip
+        return [
+            (
+                f"... {_plural(self.num_ranks - shown, 'more rank')} not shown ({shown} of {self.num_ranks}; "
+                f"max_rows={self.max_rows})"
+            )
+        ]
 
     def _table(self, rows: list[RankSlice]) -> tuple[list[str], list[list[str]]]:
         head = ["rank", *self.mesh_dim_names, "slice", *self.dim_names, "local shape"]
@@ -712,8 +772,9 @@ class PlacementView:
             out.append(f'<tr{me} style="{_cell_style(r.slice)}" title="slice {r.slice}">{tds}</tr>')
         cut = self._cut_note(len(rows))
         if cut:
-            out.append(f'<tr><td class="cut" colspan="{len(head)}" style="text-align:left">'
-                       f"{html.escape(cut[0])}</td></tr>")  # fmt: skip
+            out.append(
+                f'<tr><td class="cut" colspan="{len(head)}" style="text-align:left">{html.escape(cut[0])}</td></tr>'
+            )
         return f'{_STYLE}<div class="wf-mesh-view">{_html_notes(self._notes())}<table>{"".join(out)}</table></div>'
 
 

@@ -98,9 +98,7 @@ def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | 
     return _cat(x.detach(), seq_dim, cp_group)
 
 
-def cat_outputs_cp_with_grad(
-    x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def cat_outputs_cp_with_grad(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """:func:`cat_outputs_cp` whose result keeps this rank's autograd graph: the gradient of ``x`` is this
     rank's slice of the upstream gradient (no collective in backward; ``grad="replicate"``)."""
     if _off(cp_group):

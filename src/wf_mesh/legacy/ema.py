@@ -52,8 +52,7 @@ class DTensorFastEmaModelUpdater:
         if entry is None or not (entry[0].matches(src_model) and entry[1].matches(tgt_model)):
             src, tgt = LocalShards(src_model), LocalShards(tgt_model)
             check_same_layout(op, src, tgt.names, tgt.locals, ("source", "target"), SAME_SHARDING, by_name=False)
-            low = next((f"{n!r} is {t.dtype}" for n, t in zip(tgt.names, tgt.locals) if t.dtype != torch.float32),
-                       None)  # fmt: skip
+            low = next((f"{n!r} is {t.dtype}" for n, t in zip(tgt.names, tgt.locals) if t.dtype != torch.float32), None)
             entry = (src, tgt, ForeachPlan(tgt.locals, src.locals), low)
             self._pairs.pop(key, None)
             if len(self._pairs) >= self._MAX_PAIRS:

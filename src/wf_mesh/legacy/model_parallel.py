@@ -110,8 +110,7 @@ def load_nccl_communicator_config(path: str | Path) -> dict[str, dict[str, int]]
         if group not in COMMUNICATOR_CONFIG_AXES:
             raise ValueError(f"{str(path)!r}: unknown group {group!r}; groups are {list(COMMUNICATOR_CONFIG_AXES)}")
         if not isinstance(options, dict) or not all(
-            k in _compat.NCCL_OPTION_KEYS and isinstance(v, int) and not isinstance(v, bool)
-            for k, v in options.items()
+            k in _compat.NCCL_OPTION_KEYS and isinstance(v, int) and not isinstance(v, bool) for k, v in options.items()
         ):
             raise ValueError(
                 f"{str(path)!r}: group {group!r} must map {list(_compat.NCCL_OPTION_KEYS)} to ints, got {options!r}"
@@ -196,8 +195,10 @@ def initialize_model_parallel(
     tp = _one_spelling("tp_size", tp_size, "tensor_model_parallel_size", tensor_model_parallel_size)
     pp = _one_spelling("pp_size", pp_size, "pipeline_model_parallel_size", pipeline_model_parallel_size)
     cp = _one_spelling("cp_size", cp_size, "context_parallel_size", context_parallel_size)
-    for name, fn in (("get_embedding_ranks", get_embedding_ranks),
-                     ("get_position_embedding_ranks", get_position_embedding_ranks)):  # fmt: skip
+    for name, fn in (
+        ("get_embedding_ranks", get_embedding_ranks),
+        ("get_position_embedding_ranks", get_position_embedding_ranks),
+    ):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a callable f(pipeline_ranks) -> ranks or None, got {fn!r}")
     if not isinstance(create_gloo_process_groups, bool):
@@ -301,27 +302,58 @@ def _refuse_unsupported(
     ep = expert_model_parallel_size
     checks = [  # (argument, its value, what it asks for, whether it is on)
         ("expert_model_parallel_size", ep, "expert parallelism", ep != 1 or isinstance(ep, bool)),
-        ("expert_tensor_parallel_size", expert_tensor_parallel_size,
-         f"a separate expert tensor-parallel layout; tensor_model_parallel_size={tp}",
-         expert_tensor_parallel_size not in (None, tp)),
-        ("hierarchical_context_parallel_sizes", hierarchical_context_parallel_sizes, "hierarchical cp",
-         bool(hierarchical_context_parallel_sizes)),
+        (
+            "expert_tensor_parallel_size",
+            expert_tensor_parallel_size,
+            f"a separate expert tensor-parallel layout; tensor_model_parallel_size={tp}",
+            expert_tensor_parallel_size not in (None, tp),
+        ),
+        (
+            "hierarchical_context_parallel_sizes",
+            hierarchical_context_parallel_sizes,
+            "hierarchical cp",
+            bool(hierarchical_context_parallel_sizes),
+        ),
         ("hybrid_context_parallel", hybrid_context_parallel, "hybrid cp", bool(hybrid_context_parallel)),
         ("use_sharp", use_sharp, "SHARP", bool(use_sharp)),
         ("sharp_enabled_group", sharp_enabled_group, "SHARP", sharp_enabled_group is not None),
-        ("num_distributed_optimizer_instances", num_distributed_optimizer_instances, "partial data parallel",
-         num_distributed_optimizer_instances != 1),
-        ("create_all_gather_group", create_all_gather_group, "a second dp x cp communicator",
-         bool(create_all_gather_group)),
-        ("high_priority_stream_groups", high_priority_stream_groups, "high-priority NCCL streams",
-         bool(high_priority_stream_groups)),
-        ("encoder_tensor_model_parallel_size", encoder_tensor_model_parallel_size, "encoder pipeline",
-         encoder_tensor_model_parallel_size not in (0, None)),
-        ("encoder_pipeline_model_parallel_size", encoder_pipeline_model_parallel_size, "encoder pipeline",
-         encoder_pipeline_model_parallel_size not in (0, None)),
-        ("pipeline_model_parallel_split_rank", pipeline_model_parallel_split_rank, "encoder pipeline",
-         pipeline_model_parallel_split_rank is not None),
-    ]  # fmt: skip
+        (
+            "num_distributed_optimizer_instances",
+            num_distributed_optimizer_instances,
+            "partial data parallel",
+            num_distributed_optimizer_instances != 1,
+        ),
+        (
+            "create_all_gather_group",
+            create_all_gather_group,
+            "a second dp x cp communicator",
+            bool(create_all_gather_group),
+        ),
+        (
+            "high_priority_stream_groups",
+            high_priority_stream_groups,
+            "high-priority NCCL streams",
+            bool(high_priority_stream_groups),
+        ),
+        (
+            "encoder_tensor_model_parallel_size",
+            encoder_tensor_model_parallel_size,
+            "encoder pipeline",
+            encoder_tensor_model_parallel_size not in (0, None),
+        ),
+        (
+            "encoder_pipeline_model_parallel_size",
+            encoder_pipeline_model_parallel_size,
+            "encoder pipeline",
+            encoder_pipeline_model_parallel_size not in (0, None),
+        ),
+        (
+            "pipeline_model_parallel_split_rank",
+            pipeline_model_parallel_split_rank,
+            "encoder pipeline",
+            pipeline_model_parallel_split_rank is not None,
+        ),
+    ]
     refused = [f"{name}={value!r} ({what})" for name, value, what, on in checks if on]
     if refused:
         raise NotImplementedError(
@@ -364,8 +396,9 @@ def _agree_on_plan(
         "create_gloo_process_groups": bool,
     }
     for i, (label, render) in enumerate(renders.items()):
-        agreed.require_same(label, lambda row, i=i, render=render: render(row[i]),
-                            hint="; every rank must pass the same arguments")  # fmt: skip
+        agreed.require_same(
+            label, lambda row, i=i, render=render: render(row[i]), hint="; every rank must pass the same arguments"
+        )
     return plan
 
 
@@ -435,5 +468,3 @@ def _reset(destroy_process_groups: bool) -> None:
 
 
 register_destroy_hook(_reset)
-
-

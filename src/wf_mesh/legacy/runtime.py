@@ -24,6 +24,7 @@ from wf_mesh.topology import ParallelDims, as_int
 
 __all__ = ["dist_init", "get_device", "is_last_rank", "is_last_tp_cp_rank"]
 
+
 def _read(config: Any, key: str, default: Any) -> Any:
     return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
 
@@ -112,9 +113,13 @@ def dist_init(config: Any) -> ParallelMesh:
     backend, timeout = _backend(config), _timeout(config)
     order = _read(config, "order", "tp-cp-pp-dp")
     wanted = ParallelDims(
-        tp=_degree(config, "tp_size"), cp=_degree(config, "cp_size"), pp=_degree(config, "pp_size"), dp=_dp(config),
-        order=order, cp_ulysses=_degree(config, "cp_ulysses_size"),
-    )  # fmt: skip
+        tp=_degree(config, "tp_size"),
+        cp=_degree(config, "cp_size"),
+        pp=_degree(config, "pp_size"),
+        dp=_dp(config),
+        order=order,
+        cp_ulysses=_degree(config, "cp_ulysses_size"),
+    )
     if dist.is_initialized():
         rank, world_size, init_method = dist.get_rank(), dist.get_world_size(), None
     else:
@@ -126,9 +131,13 @@ def dist_init(config: Any) -> ParallelMesh:
     if init_method is not None:
         device = bind_local_device(rank) if backend == "nccl" else None
         dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
             device_id=device,
-        )  # fmt: skip
+        )
     dp_replicate = _read(config, "dp_replicate", None)
     mesh = parallel_mesh_or_none()
     if mesh is None:
