@@ -1,0 +1,330 @@
+"""Train a tiny video DiT with context parallelism, FSDP2, a sharded EMA and resumable DCP checkpoints.
+
+The model denoises random video latents ``(B, C, T, H, W)``: every latent voxel is a token (per-token input
+projection), learned position embeddings ``(T, H, W, D)``, a noise-level embedding, ``--depth`` blocks of
+(LayerNorm, :class:`wf_mesh.CPSelfAttention`, LayerNorm, MLP), and an output projection trained with a
+flow-matching MSE loss (predict ``noise - latent`` from ``(1 - s) * latent + s * noise``).
+
+Parallelism: the world is ``dp x cp`` (``--cp``; dp is inferred). Each step draws the SAME global batch on
+every rank (a generator seeded by ``--seed`` and the step), each dp rank takes its slice of the batch
+(``torch.tensor_split``: uneven slices allowed), and each cp rank its block of tokens
+(:func:`wf_mesh.plan_video_split`, time first, then height); attention runs over all cp ranks' tokens
+(``--cp-method ring | ulysses | usp | allgather``). The weights are sharded with FSDP2 over the ``dp_cp`` axis
+(cp ranks hold the same weights, so their gradients are summed together with dp's).
+
+Exactness: whatever the world size, the gradient every step applies is the gradient of the GLOBAL mean
+loss. Each rank backpropagates ``sum of its squared errors / number of elements in the global batch`` and
+FSDP2 is told to SUM gradients over dp_cp instead of averaging them (``set_gradient_divide_factor(1.0)``
+with sum-only collectives), so the reduced gradient is exactly sum over ranks = d(global mean)/dw, also when
+ranks hold different numbers of tokens. The logged loss is the global mean (one all-reduce of the squared
+error sums); the logged gradient norm is the global one (``clip_grad_norm_`` over the sharded gradients),
+clipped to ``--clip-grad``. Loss trajectory, gradient norms and final weights agree with a single-process run
+up to fp32 rounding.
+
+Checkpoints (``--ckpt-dir DIR --save-every N``): model and optimizer (``get_state_dict``, resharded by DCP
+at any world size), the EMA (``ShardedEMA.state_dict()`` DTensors) and the step count, saved with
+``torch.distributed.checkpoint`` to ``DIR/step_000N``. At start the newest complete checkpoint in
+``DIR`` (one with DCP's ``.metadata``, written last and atomically) is loaded and training continues after it.
+
+Run::
+
+    python examples/train_video_dit.py                                  # one process, no launcher
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2      # dp 2 x cp 2, ring attention
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --cp-method usp --cp-ulysses 2
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 examples/train_video_dit.py --ckpt-dir ckpt --save-every 2
+
+The last one resumes from ``ckpt/`` when torchrun restarts a failed worker. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
+by default torchrun keeps one TCPStore across restarts, and a restarted worker may read the gloo/NCCL address
+its dead predecessor left there and fail to connect: pytorch/pytorch#135712, #167288.)
+
+From Python (e.g. in the workers of ``wf_mesh.testing.run_distributed``) call ``main(argv)``: it returns a
+dict with the per-step global losses and the final weights (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+import wf_mesh
+
+CHECKPOINT = re.compile(r"step_(\d+)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=10, help="total optimizer steps (a resumed run stops here too)")
+    p.add_argument("--batch", type=int, default=4, help="global batch size (split over dp; uneven splits allowed)")
+    p.add_argument("--channels", type=int, default=4, help="latent channels C")
+    p.add_argument("--frames", type=int, default=4, help="latent frames T")
+    p.add_argument("--height", type=int, default=8, help="latent height H")
+    p.add_argument("--width", type=int, default=4, help="latent width W")
+    p.add_argument("--dim", type=int, default=32, help="model width D")
+    p.add_argument("--heads", type=int, default=2, help="attention heads")
+    p.add_argument("--depth", type=int, default=2, help="transformer blocks")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm (0: never)")
+    p.add_argument("--ema-beta", type=float, default=0.99, help="EMA decay per step")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and every step's batch")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp = world size / cp)")
+    p.add_argument("--cp-method", choices=("ring", "ulysses", "usp", "allgather"), default="ring",
+                   help="cp attention method")  # fmt: skip
+    p.add_argument("--cp-ulysses", type=int, default=1, help="Ulysses part of cp (for --cp-method usp)")
+    p.add_argument("--ckpt-dir", type=Path, default=None, help="save checkpoints here and resume from the newest")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--out", type=Path, default=None, help="rank 0 writes the result of main() here (torch.save)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="sleep this many seconds after each step (to watch a run, or to give a fault-injection "
+                        "test time to act)")  # fmt: skip
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+    for name in "steps batch channels frames height width dim heads depth cp cp_ulysses".split():
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.clip_grad < 0:
+        p.error("--clip-grad must be >= 0")
+    if args.save_every < 0:
+        p.error("--save-every must be >= 0")
+    if args.save_every and args.ckpt_dir is None:
+        p.error("--save-every needs --ckpt-dir")
+    if args.cp_ulysses > 1 and args.cp_method != "usp":
+        p.error("--cp-ulysses > 1 is for --cp-method usp")
+    return args
+
+
+# ---- the model ------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, method: str, mesh: wf_mesh.ParallelMesh) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        # Attention over every cp rank's tokens. No qkv bias: a key bias shifts every score of a query by the
+        # same amount, so its gradient is zero up to rounding, and AdamW would turn that noise into full steps.
+        self.attn = wf_mesh.CPSelfAttention(dim, heads, method=method, mesh=mesh, bias=False)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyVideoDiT(nn.Module):
+    """Noisy tokens ``(B, S_local, C)`` of this cp rank, their noise levels ``(B,)`` and targets -> the SUM of
+    this rank's squared errors (the caller normalizes it; see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> None:
+        super().__init__()
+        d = args.dim
+        self.embed = nn.Linear(args.channels, d)
+        self.pos = nn.Parameter(0.02 * torch.randn(args.frames, args.height, args.width, d))
+        self.noise_embed = nn.Sequential(nn.Linear(1, d), nn.SiLU(), nn.Linear(d, d))
+        self.blocks = nn.ModuleList(Block(d, args.heads, args.cp_method, mesh) for _ in range(args.depth))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, args.channels)
+
+    def forward(self, tokens, sigma, target, split: wf_mesh.VideoSplit, mesh: wf_mesh.ParallelMesh) -> torch.Tensor:
+        pos = split.shard_positions(self.pos, mesh=mesh)  # (S_local, D), this rank's tokens' positions
+        x = self.embed(tokens) + pos + self.noise_embed(sigma[:, None])[:, None, :]
+        for block in self.blocks:
+            x = block(x)
+        return (self.head(self.norm(x)) - target).pow(2).sum()
+
+
+def build_model(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> nn.Module:
+    """The same initial weights on every rank (a fixed seed, the caller's RNG untouched), then FSDP2 over dp_cp
+    with gradients SUMMED over the ranks (see the module docstring)."""
+    with torch.random.fork_rng(devices=()):
+        torch.manual_seed(args.seed)
+        model = TinyVideoDiT(args, mesh).to(mesh.device)
+    fsdp = mesh.fsdp_mesh()
+    for block in model.blocks:
+        fully_shard(block, mesh=fsdp)
+    fully_shard(model, mesh=fsdp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # the loss is already divided by the GLOBAL element count
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (no PREMUL_SUM: gloo has none)
+    return model
+
+
+# ---- data -----------------------------------------------------------------------------------------------
+def global_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(noisy latents, targets, noise levels)`` of the whole batch of ``step``: identical on every rank and at
+    every world size (its own generator, seeded by the seed and the step)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    shape = (args.batch, args.channels, args.frames, args.height, args.width)
+    latent, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    sigma = torch.rand(args.batch, generator=g)
+    s = sigma.view(-1, 1, 1, 1, 1)
+    return (1 - s) * latent + s * noise, noise - latent, sigma
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"step_{step:06d}"
+
+
+def newest_checkpoint(ckpt_dir: Path | None, device: torch.device) -> int:
+    """The step of the newest complete checkpoint in ``ckpt_dir`` (0: none), decided by rank 0 for everyone."""
+    step = 0
+    if ckpt_dir is not None and dist.get_rank() == 0 and ckpt_dir.is_dir():
+        for entry in ckpt_dir.iterdir():
+            match = CHECKPOINT.fullmatch(entry.name)
+            if match and (entry / ".metadata").is_file():  # DCP writes .metadata last (tmp + rename)
+                step = max(step, int(match.group(1)))
+    found = torch.tensor([step], dtype=torch.int64, device=device)
+    dist.broadcast(found, src=0)
+    return int(found.item())
+
+
+def training_state(model, optimizer, ema, step: int, device: torch.device) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "ema": ema.state_dict(),
+            "step": torch.tensor(step, dtype=torch.int64, device=device)}  # fmt: skip
+
+
+def save_checkpoint(path: Path, model, optimizer, ema, step: int, device: torch.device) -> None:
+    dcp.save(training_state(model, optimizer, ema, step, device), checkpoint_id=str(path))
+
+
+def load_checkpoint(path: Path, model, optimizer, ema, device: torch.device) -> int:
+    state = training_state(model, optimizer, ema, -1, device)
+    dcp.load(state, checkpoint_id=str(path))  # in place, resharded to this world's shards
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ema.load_state_dict(state["ema"])
+    return int(state["step"].item())
+
+
+# ---- training -------------------------------------------------------------------------------------------
+def full_weights(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full CPU copies of (possibly sharded) tensors: an all-gather per DTensor, on every rank."""
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for n, t in named.items()}
+
+
+def digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train; returns (on every rank)::
+
+        {"world_size", "dp", "cp", "start_step" (0 or the step resumed from), "steps",
+         "losses": {step: global mean loss}, "grad_norms": {step: global gradient norm before clipping},
+             for the steps this call ran,
+         "weights" / "ema": {parameter name: full fp32 CPU tensor} after the last step,
+         "digest": a short sha256 of the final weights}
+
+    Uses the process group if one is initialized (e.g. a ``wf_mesh.testing`` worker), otherwise creates it
+    (torchrun's environment, or a world of one); tears down what it created.
+    """
+    args = parse_args(argv)
+    owns_process_group = not dist.is_initialized()
+    mesh = wf_mesh.dist_init({"cp_size": args.cp, "cp_ulysses_size": args.cp_ulysses})
+    try:
+        return train(args, mesh)
+    finally:
+        wf_mesh.destroy_model_parallel()
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, dp_rank, cp = mesh.size("dp"), mesh.rank("dp"), mesh.size("cp")
+    device = mesh.device
+    verbose = rank == 0 and not args.quiet
+
+    def log(message: str) -> None:
+        if verbose:
+            print(message, flush=True)
+
+    if args.batch < dp:
+        raise ValueError(f"--batch {args.batch} is smaller than dp={dp}: every dp rank needs at least one sample")
+    latent_shape = (args.batch, args.channels, args.frames, args.height, args.width)
+    split = wf_mesh.plan_video_split(latent_shape, cp_size=cp)
+    rows = torch.tensor_split(torch.arange(args.batch), dp)[dp_rank]  # this dp rank's samples
+    global_elements = math.prod(latent_shape)
+    global_tokens = args.batch * args.frames * args.height * args.width
+
+    model = build_model(args, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ema = wf_mesh.ShardedEMA(model, beta=args.ema_beta)
+    log(
+        f"train_video_dit: {world} process(es) = dp {dp} x cp {cp} ({args.cp_method}"
+        f"{f', ulysses {args.cp_ulysses}' if args.cp_method == 'usp' else ''}), latents {latent_shape}, "
+        f"{split.local_tokens} of {split.t * split.h * split.w} tokens per sample on each cp rank, "
+        f"{sum(p.numel() for p in model.parameters())} parameters, {args.steps} steps"
+    )
+
+    start = newest_checkpoint(args.ckpt_dir, device)
+    if start:
+        path = checkpoint_path(args.ckpt_dir, start)
+        loaded = load_checkpoint(path, model, optimizer, ema, device)
+        if loaded != start:
+            raise RuntimeError(f"{path} holds step {loaded}, its name says {start}")
+        log(f"resumed from {path} (step {start})")
+
+    losses: dict[int, float] = {}
+    grad_norms: dict[int, float] = {}
+    for step in range(start + 1, args.steps + 1):
+        began = time.perf_counter()
+        noisy, target, sigma = global_batch(args, step)
+        noisy, target, sigma = noisy[rows].to(device), target[rows].to(device), sigma[rows].to(device)
+        tokens, target = split.shard(noisy, mesh=mesh), split.shard(target, mesh=mesh)  # this cp rank's block
+        squared = model(tokens, sigma, target, split, mesh)
+        (squared / global_elements).backward()  # summed over dp_cp by FSDP2: the global mean's gradient
+        norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf)  # of the GLOBAL gradient
+        grad_norms[step] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ema.update(model)
+        total = squared.detach().clone()
+        dist.all_reduce(total, group=mesh.group("dp_cp"))  # every rank's squared errors, once
+        losses[step] = total.item() / global_elements
+        elapsed = time.perf_counter() - began
+        log(
+            f"step {step}/{args.steps}  loss {losses[step]:.6f}  grad norm {grad_norms[step]:.4f}  "
+            f"tokens/s {global_tokens / elapsed:,.0f}"
+        )
+        if args.save_every and step % args.save_every == 0:
+            path = checkpoint_path(args.ckpt_dir, step)
+            save_checkpoint(path, model, optimizer, ema, step, device)
+            log(f"saved checkpoint {path}")
+        if args.step_delay:
+            time.sleep(args.step_delay)
+
+    weights = full_weights(dict(model.named_parameters()))
+    result = {
+        "world_size": world, "dp": dp, "cp": cp, "start_step": start, "steps": args.steps,
+        "losses": losses, "grad_norms": grad_norms,
+        "weights": weights, "ema": full_weights(ema.state_dict()), "digest": digest(weights),
+    }  # fmt: skip
+    if rank == 0 and args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, args.out)
+    last = f"final loss {losses[args.steps]:.6f}, " if losses else ""
+    log(f"done: step {args.steps}, {last}weights sha256 {result['digest']}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
