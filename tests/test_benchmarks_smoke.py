@@ -149,7 +149,15 @@ EXPECTED = {
             f"gather cp {cp}: wf_mesh / raw reusing its gather buffer",
         )
     ]
-    + ["small gather cp 2: wf_mesh / raw", "small gather cp 4: wf_mesh / raw"]
+    + [
+        f"small {what}"
+        for cp in (2, 4)
+        for what in (
+            f"gather cp {cp}: wf_mesh / raw",
+            f"gather cp {cp}: checks on / off (agreement",
+            f"broadcast cp {cp}: wf_mesh.broadcast / dist.broadcast",
+        )
+    ]
     + [
         f"broadcast_split cp {cp}: {what}"
         for cp in (2, 4)
