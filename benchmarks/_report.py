@@ -8,7 +8,7 @@ Each script measures paths side by side and reduces them to ratio rows::
 - ``ratio``: the median over the trials of the per-trial ratio (first named / second named, both measured in the
   same trial, so machine noise hits them alike); ``low`` / ``high``: the smallest and largest per-trial ratio
   (the spread; equal to ``ratio`` for counts such as bytes or collectives).
-- ``target``: the DESIGN.md section 7 target as text (``""``: reported only, no target).
+- ``target``: the docs/design.md section 10 target as text (``""``: reported only, no target).
 - ``meets``: the target judged on the median: ``"yes"`` or ``"NO"``; ``"not judged"`` in ``--quick`` runs (small
   sizes and few trials cannot judge a target); ``""`` without a target.
 

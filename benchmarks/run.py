@@ -6,7 +6,7 @@ Runs every ``benchmarks/<name>.py`` (the known ones first: topology, context_par
 cp_attention; then any other script not starting with ``_``), each as ``<name>.py --json <tmp> [--quick]`` in a
 process tree of its own, and reads the ratio rows each script writes in the one schema of ``_report.py``
 (``{benchmark, measurement, ratio, low, high, target, meets}``: the median of per-trial ratios, their spread,
-the DESIGN.md section 7 target and whether the median meets it; ``--quick`` runs are "not judged"). A script's
+the docs/design.md section 10 target and whether the median meets it; ``--quick`` runs are "not judged"). A script's
 own output goes to a log, shown (its end) only when the script fails. ``--json PATH`` writes
 ``{"quick", "rows", "failed", "results": {name: the script's whole JSON}}``.
 
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None, folder: Path = HERE) -> int:
         note = "; --quick: small sizes, few trials: targets not judged" if args.quick else ""
         print(
             f"ratio = median over the trials of (first named / second named), measured side by side; low-high = "
-            f"its spread over the trials; meets: the median against the DESIGN.md section 7 target{note}"
+            f"its spread over the trials; meets: the median against the docs/design.md section 10 target{note}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,7 @@ Measures, in one run:
 3. ``broadcast_dtensor_model_states`` (bucketed) vs one ``dist.broadcast`` per tensor, on local gloo processes,
    for a model with hundreds of small parameters and buffers: time and number of collectives.
 Each timing is the median over interleaved trials (the slowest rank for the broadcast). Design targets
-(DESIGN.md section 7): EMA within 10% of copy_; broadcast collectives ~ buckets, well ahead of per-tensor.
+(docs/design.md section 10): EMA within 10% of copy_; broadcast collectives ~ buckets, well ahead of per-tensor.
 Ratio rows (benchmarks/_report.py): per-trial ratios, their median and spread.
 
     python benchmarks/state.py [--quick] [--json out.json]

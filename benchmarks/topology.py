@@ -1,6 +1,6 @@
 """Topology benchmark: planning at 100k ranks, and mesh build cost per rank at 1k-16k simulated ranks.
 
-What is measured (DESIGN.md §7, "Topology"), side by side in one run:
+What is measured (docs/design.md section 10, "Topology"), side by side in one run:
 
 1. Planning with the pure ``ParallelDims`` at 100,000 ranks (tp=8, cp=5, pp=5 -> dp=500): ``resolve``, then
    ``groups(axis)`` (every group of the world) and ``group_of(axis, rank)`` (one rank's group) for every base

@@ -533,4 +533,6 @@ def test_demo_runs_every_check_and_tears_down_quickly():
     ]
     assert len(results) == 5 and all(re.fullmatch(p + timed, line) for p, line in zip(patterns, results)), results
     assert re.fullmatch(r"demo OK: 4 ranks, 5 checks passed, 0 skipped, in \d+\.\d\d s", out[-1])
-    assert teardown < 2.0, f"teardown after 'demo OK' took {teardown:.2f} s"
+    # a hang check, not a timing claim (never assert wall-clock speed on a shared machine): teardown is measured
+    # at ~0.2-0.5 s here and reported in the closing notes; before, the launcher's interpreter exit took ~2 s
+    assert teardown < 30, f"teardown after 'demo OK' took {teardown:.2f} s"

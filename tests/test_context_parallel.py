@@ -110,8 +110,8 @@ def partial_rule_collectives():
 
 
 def test_partial_rule_backward_is_one_reduce_scatter():
-    counts = run_distributed(2, partial_rule_collectives)[0]
-    assert sum(counts.values()) == 1 and "reduce_scatter" in next(iter(counts)), counts
+    for counts in run_distributed(2, partial_rule_collectives):
+        assert sum(counts.values()) == 1 and "reduce_scatter" in next(iter(counts)), counts
 
 
 # ---- DTensor in, DTensor out -------------------------------------------------------------------------
@@ -147,6 +147,8 @@ def legacy_on_cp_group(shape, seq_dim):
         wf_mesh.split_inputs_cp(x, seq_dim, group)
     source = x if dist.get_rank() in (0, 1) else None  # receivers may pass None
     shard = wf_mesh.broadcast_split_tensor(source, seq_dim, group)
+    wf_mesh.split_inputs_cp(x, seq_dim, group).add_(1)  # the legacy split is a new tensor, never a view of x
+    untouched = torch.equal(x, sample(shape))
     return {
         "local": local,
         "cat": cat,
@@ -156,6 +158,7 @@ def legacy_on_cp_group(shape, seq_dim):
         "split_collectives": split_comm.get_total_counts(),
         "shard": shard,
         "mesh_is_cp_axis": wf_mesh.mesh_for_group(group) is wf_mesh.get_parallel_mesh()["cp"],
+        "input_untouched": untouched,
     }
 
 
@@ -171,7 +174,7 @@ def test_legacy_functions_on_a_real_cp_group(shape, seq_dim):
         assert torch.equal(out["leaf_grad"], torch.chunk(upstream, 2, seq_dim)[cp_rank])
         assert out["split_collectives"] == 0
         assert torch.equal(out["shard"], torch.chunk(x, 2, seq_dim)[cp_rank])
-        assert out["mesh_is_cp_axis"]
+        assert out["mesh_is_cp_axis"] and out["input_untouched"]
 
 
 def legacy_on_new_group():

@@ -397,22 +397,27 @@ def lifecycle():
 
 
 def test_lifecycle_and_errors():
-    out = run_distributed(2, lifecycle)[1]
-    assert out["before"] is None and out["before_error"] == ("PipelineStateError", True)
-    assert out["same"]
-    assert out["twice"].startswith("init_pp_scheduler: the PP scheduler is already initialized (PPScheduler(stage=1/2")
-    assert out["twice"].endswith("call wf_mesh.destroy_model_parallel() before initializing again")
-    assert out["after_destroy"] is None
-    assert out["stale"].startswith("PPScheduler: its mesh (ParallelDims(tp=1, cp=1, pp=2, dp=1")
-    assert out["dist_init_twice"]
-    assert out["repr"] == "PPScheduler(stage=1/2, prev_rank=0, next_rank=0, device=cpu, checked=False)"
-    assert out["peer"] == "ValueError: peer must be 'next' or 'prev', got 'up'"
-    assert out["device"] == "ValueError: isend_next: tensor is on meta, but the pp axis communicates on cpu"
-    assert out["type"] == "TypeError: isend_next needs a torch.Tensor, got list"
-    assert out["buffer"] == "ValueError: receive buffer must be contiguous, got shape (4, 4) stride (1, 4)"
-    assert out["exchange"].startswith("ValueError: exchange: nothing to do")
-    assert out["pending"] == "ValueError: max_pending_sends=0 must be >= 1"
-    assert out["pp1"] == "cannot receive: the pp axis has a single stage (pp=1), so there is no neighbour"
+    for rank, out in enumerate(run_distributed(2, lifecycle)):
+        assert out["before"] is None and out["before_error"] == ("PipelineStateError", True)
+        assert out["same"]
+        assert out["twice"].startswith(
+            f"init_pp_scheduler: the PP scheduler is already initialized (PPScheduler(stage={rank}/2"
+        )
+        assert out["twice"].endswith("call wf_mesh.destroy_model_parallel() before initializing again")
+        assert out["after_destroy"] is None
+        assert out["stale"].startswith("PPScheduler: its mesh (ParallelDims(tp=1, cp=1, pp=2, dp=1")
+        assert out["dist_init_twice"]
+        peer = 1 - rank
+        assert (
+            out["repr"] == f"PPScheduler(stage={rank}/2, prev_rank={peer}, next_rank={peer}, device=cpu, checked=False)"
+        )
+        assert out["peer"] == "ValueError: peer must be 'next' or 'prev', got 'up'"
+        assert out["device"] == "ValueError: isend_next: tensor is on meta, but the pp axis communicates on cpu"
+        assert out["type"] == "TypeError: isend_next needs a torch.Tensor, got list"
+        assert out["buffer"] == "ValueError: receive buffer must be contiguous, got shape (4, 4) stride (1, 4)"
+        assert out["exchange"].startswith("ValueError: exchange: nothing to do")
+        assert out["pending"] == "ValueError: max_pending_sends=0 must be >= 1"
+        assert out["pp1"] == "cannot receive: the pp axis has a single stage (pp=1), so there is no neighbour"
 
 
 # ---- bridge to torch.distributed.pipelining -----------------------------------------------------------

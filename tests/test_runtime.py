@@ -94,10 +94,13 @@ def dist_init_twice(config):
 
 def test_idempotent_when_initialized():
     config = {**CONFIG, "dp_size": 2}
-    same, coords, message = run_distributed(4, dist_init_twice, config)[3]
-    assert same and coords == {"tp": 0, "cp": 1, "pp": 0, "dp": 1}
-    assert message.startswith("dist_init: a different mesh is already initialized (ParallelDims(tp=1, cp=2, pp=1, dp=2")
-    assert "asked for ParallelDims(tp=1, cp=1, pp=1, dp=4" in message
+    plan = wf_mesh.ParallelDims(cp=2, dp=2).resolve(4)
+    for rank, (same, coords, message) in enumerate(run_distributed(4, dist_init_twice, config)):
+        assert same and coords == plan.coords(rank)
+        assert message.startswith(
+            "dist_init: a different mesh is already initialized (ParallelDims(tp=1, cp=2, pp=1, dp=2"
+        )
+        assert "asked for ParallelDims(tp=1, cp=1, pp=1, dp=4" in message
 
 
 def dp_inferred_with_defaults():

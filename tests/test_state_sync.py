@@ -127,14 +127,15 @@ def hsdp_errors():
 
 
 def test_hsdp_errors():
-    out = run_distributed(4, hsdp_errors)[0]
-    assert out[3] == (
-        "init_parallel: dp_replicate=3 does not divide dp=4 (tp=1, cp=1, pp=1, dp=4); HSDP needs dp = dp_replicate * dp_shard"
-    )
-    assert out[0] == "init_parallel: dp_replicate=0 must be >= 1"
-    assert out["enabled"] is False
-    assert "has no HSDP view: build it with init_parallel(dims, dp_replicate=R), R dividing dp" in out["no_view"]
-    assert "was destroyed; initialize a new one" in out["destroyed"]
+    for out in run_distributed(4, hsdp_errors):
+        assert out[3] == (
+            "init_parallel: dp_replicate=3 does not divide dp=4 (tp=1, cp=1, pp=1, dp=4); HSDP needs dp = "
+            "dp_replicate * dp_shard"
+        )
+        assert out[0] == "init_parallel: dp_replicate=0 must be >= 1"
+        assert out["enabled"] is False
+        assert "has no HSDP view: build it with init_parallel(dims, dp_replicate=R), R dividing dp" in out["no_view"]
+        assert "was destroyed; initialize a new one" in out["destroyed"]
 
 
 def hsdp_cycles(cycles):

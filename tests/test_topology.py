@@ -1,4 +1,4 @@
-"""Pure topology: ParallelDims against DESIGN §2 and an independent Megatron-style reference."""
+"""Pure topology: ParallelDims against docs/design.md section 2.1 and an independent Megatron-style reference."""
 
 import itertools
 import math
@@ -67,7 +67,7 @@ def test_every_factorisation_of_8_matches_megatron(order):
                 assert group in expected and rank in group
 
 
-# DESIGN §2 worked examples, order tp-cp-pp-dp.
+# docs/design.md section 2.1 worked examples, order tp-cp-pp-dp.
 TABLE = {
     (1, 4, 2, 1): {
         "tp": [[r] for r in range(8)],
