@@ -35,17 +35,7 @@ import torch.distributed as dist
 
 from wf_mesh import errors
 
-__all__ = [
-    "DTYPES",
-    "Agreed",
-    "agree",
-    "checks_enabled",
-    "comm_device",
-    "dtype_code",
-    "float_bits",
-    "header_row",
-    "read_header",
-]
+__all__ = ["Agreed", "agree", "checks_enabled", "comm_device"]
 
 ROW = 48
 """int64 slots each rank contributes per exchange: ``[call, status, error bytes, number of facts, *facts]``."""

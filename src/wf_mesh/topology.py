@@ -28,7 +28,7 @@ from typing import Any
 
 from wf_mesh.errors import DegreeError
 
-__all__ = ["AXES", "DERIVED_AXES", "SUB_AXES", "ParallelDims", "as_int", "parse_axes"]
+__all__ = ["AXES", "DERIVED_AXES", "SUB_AXES", "ParallelDims", "parse_axes"]
 
 AXES: tuple[str, ...] = ("tp", "cp", "pp", "dp")
 """The four base axes, in the default order."""
