@@ -123,6 +123,7 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
 
     for cp, g in results["gather"].items():
         row(f"gather cp {cp}: wf_mesh DTensor / raw all-gather", per_trial(g["wf_mesh"], g["raw"]), at_most(1.10))
+        row(f"gather cp {cp}: wf_mesh DTensor, checks off / raw", per_trial(g["wf_mesh_unchecked"], g["raw"]))
         row(f"gather cp {cp}: legacy cat_outputs_cp / raw", per_trial(g["legacy"], g["raw"]))
         row(f"gather cp {cp}: wf_mesh / raw reusing its gather buffer", per_trial(g["wf_mesh"], g["raw_reused"]))
     for cp, s in results["small"].items():

@@ -145,6 +145,7 @@ EXPECTED = {
         for cp in (2, 4)
         for what in (
             f"gather cp {cp}: wf_mesh DTensor / raw all-gather",
+            f"gather cp {cp}: wf_mesh DTensor, checks off / raw",
             f"gather cp {cp}: legacy cat_outputs_cp / raw",
             f"gather cp {cp}: wf_mesh / raw reusing its gather buffer",
         )
