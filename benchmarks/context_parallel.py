@@ -62,11 +62,11 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, l
         return torch.cat(out.chunk(cp, 0), dim=1)
 
     def unchecked():  # the same call with the validation-only agreement exchange off (WF_MESH_CHECKS=0)
-        agreement._set_checks(False)
+        agreement.set_checks(False)
         try:
             return wf_mesh.gather_sequence(dt)
         finally:
-            agreement._set_checks(True)
+            agreement.set_checks(True)
 
     def raw_broadcast():
         dist.broadcast(local, group=group, group_src=0)

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # `import _report` also when run.py is imported rather than run
     sys.path.insert(0, str(HERE))
 
-from wf_mesh.cli import Interrupted, ProcessTree, interruptible  # noqa: E402
+from wf_mesh.process_tree import Interrupted, ProcessTree, interruptible  # noqa: E402
 
 from _report import format_rows, read_rows  # noqa: E402 (needs the sys.path line above)
 

@@ -25,7 +25,7 @@ LAYERS = {
         "log",
     ],
     4: ["parallel_state", "legacy", "compat"],  # the legacy layer: legacy names and state
-    5: ["viz", "testing", "cli", "demo", "__init__", "__main__"],  # surface
+    5: ["viz", "testing", "process_tree", "cli", "demo", "__init__", "__main__"],  # surface
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
 PURE = set(LAYERS[0])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from wf_mesh.cli import ProcessTree
+from wf_mesh.process_tree import ProcessTree
 
 from helpers import MARKER, marked
 

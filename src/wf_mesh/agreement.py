@@ -103,8 +103,10 @@ def checks_enabled() -> bool:
     return os.environ.get("WF_MESH_CHECKS", "1") != "0"
 
 
-def _set_checks(value: bool | None) -> None:
-    """Used by :mod:`wf_mesh.mesh` once the ranks agreed on ``checks`` (None: back to the environment)."""
+def set_checks(value: bool | None) -> None:
+    """Set this process's checks (None: back to the environment). :func:`~wf_mesh.init_parallel` calls it once
+    the ranks agreed on ``checks``; anything else calling it must do so on every rank alike (a rank that skips
+    an exchange its peers run crashes them)."""
     global _checks
     _checks = value
 

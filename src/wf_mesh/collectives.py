@@ -179,7 +179,8 @@ def _tensor_specs(data: bytes) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return specs
 
 
-def _pickle_allowed(allow_pickle: bool | None) -> bool:
+def pickle_allowed(allow_pickle: bool | None) -> bool:
+    """``allow_pickle`` if given, else the environment: pickle is allowed unless ``WF_MESH_ALLOW_PICKLE=0``."""
     if allow_pickle is not None:
         return bool(allow_pickle)
     return os.environ.get("WF_MESH_ALLOW_PICKLE", "1") != "0"
@@ -202,7 +203,7 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     ranks = dist.get_process_group_ranks(process_group)
     is_source = dist.get_rank() == ranks[0]
     encoded, tensors = bytearray(), []
-    pickle_ok = _pickle_allowed(allow_pickle)
+    pickle_ok = pickle_allowed(allow_pickle)
 
     def facts() -> list[int]:
         if isinstance(item, DTensor):

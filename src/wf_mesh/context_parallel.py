@@ -185,7 +185,7 @@ def gather_sequence(
                 raise ValueError(f"gather_sequence needs a DTensor placed Shard(dim), got {x.placements}")
             if seq_dim is not None and normalize_dim(seq_dim, x.ndim) != placement.dim:
                 raise ValueError(f"seq_dim={seq_dim} but the DTensor is sharded on dim {placement.dim}")
-            dim, total, local_shape = placement.dim, x.shape[placement.dim], x.to_local().shape
+            dim, total, local_shape = placement.dim, x.shape[placement.dim], _compat.dtensor_local(x).shape
         else:
             if seq_dim is None:
                 raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")

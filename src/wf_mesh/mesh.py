@@ -205,7 +205,7 @@ class ParallelMesh:
         if _current is self:
             _current = None
             run_destroy_hooks(destroy_process_groups)
-            agreement._set_checks(None)
+            agreement.set_checks(None)
         _compat.release_meshes(self.root, self._meshes, destroy_groups=destroy_process_groups)
         self._axes = {}
         self._meshes = []
@@ -401,7 +401,7 @@ def init_parallel(
         axes["replicate"], axes["shard"] = hsdp["replicate"], hsdp["shard"]
         meshes.append(hsdp)
     _current = ParallelMesh(dims, root, axes, meshes, backend=backend, timeout=timeout or default_timeout, hsdp=hsdp)
-    agreement._set_checks(checks)
+    agreement.set_checks(checks)
     return _current
 
 

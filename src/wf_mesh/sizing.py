@@ -1,4 +1,5 @@
-"""How a length is cut into shards: ``torch.chunk`` sizing, the one rule wf_mesh (and DTensor) uses.
+"""How a length is cut into shards: ``torch.chunk`` sizing, the rule wf_mesh (and DTensor) uses for tensors,
+and ``torch.tensor_split`` sizing, used for Python lists (the legacy object-list split).
 
 The first shards get ``ceil(length / parts)`` elements; trailing shards may get fewer, or none. Pure
 arithmetic (no torch import), shared by the CP helpers, CP attention and the placement views.
@@ -11,7 +12,7 @@ arithmetic (no torch import), shared by the CP helpers, CP attention and the pla
 
 from __future__ import annotations
 
-__all__ = ["chunk_range", "chunk_sizes"]
+__all__ = ["chunk_range", "chunk_sizes", "split_range"]
 
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
@@ -25,3 +26,15 @@ def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
     chunk = -(-length // parts) if length else 0
     start = min(index * chunk, length)
     return start, min(start + chunk, length)
+
+
+def split_range(length: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of block ``index`` in ``torch.tensor_split`` sizing: blocks whose sizes differ by at most
+    one, the larger ones first (the first ``length % parts`` blocks get one more item).
+
+    >>> [split_range(7, 3, i) for i in range(3)]
+    [(0, 3), (3, 5), (5, 7)]
+    """
+    base, extra = divmod(length, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)

@@ -174,12 +174,9 @@ def _store_barrier(store: dist.Store, key: str, world_size: int) -> None:
 
 def _cleanup() -> None:
     """Leave the worker as it started: no mesh, no subgroups, no legacy state, only the default group."""
-    from wf_mesh import _compat, mesh
+    from wf_mesh import _compat, parallel_state
 
-    current = mesh.parallel_mesh_or_none()
-    if current is not None:
-        current.destroy()
-    mesh.run_destroy_hooks()
+    parallel_state.destroy_model_parallel()
     _compat.destroy_subgroups()
     gc.collect()
 

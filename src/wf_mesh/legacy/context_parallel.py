@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from wf_mesh import agreement, parallel_state
-from wf_mesh.collectives import _pickle_allowed, broadcast
+from wf_mesh.collectives import broadcast, pickle_allowed
 from wf_mesh.context_parallel import (
     broadcast_shard,
     gather_sequence,
@@ -22,6 +22,7 @@ from wf_mesh.context_parallel import (
 )
 from wf_mesh.errors import IndivisibleSequenceError
 from wf_mesh.mesh import parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.sizing import split_range
 from wf_mesh.topology import as_int
 from wf_mesh.video import plan_video_split
 
@@ -189,14 +190,6 @@ def robust_broadcast(
     return out.to(agreement.comm_device(group))
 
 
-def _block(length: int, parts: int, index: int) -> slice:
-    """Block ``index`` of ``length`` items cut into ``parts`` contiguous blocks whose sizes differ by at most one,
-    the larger ones first (``torch.tensor_split``'s rule)."""
-    base, extra = divmod(length, parts)
-    start = index * base + min(index, extra)
-    return slice(start, start + base + (index < extra))
-
-
 def split_inputs_cp_object_list(object_list: list, cp_group: dist.ProcessGroup | None = None) -> list:
     """This rank's contiguous block of a Python list (block r for group rank r); no collective.
 
@@ -210,7 +203,8 @@ def split_inputs_cp_object_list(object_list: list, cp_group: dist.ProcessGroup |
     rank = dist.get_rank(cp_group)
     if rank < 0:
         raise ValueError(f"split_inputs_cp_object_list: rank {dist.get_rank()} is not a member of cp_group")
-    return object_list[_block(len(object_list), dist.get_world_size(cp_group), rank)]
+    start, stop = split_range(len(object_list), dist.get_world_size(cp_group), rank)
+    return object_list[start:stop]
 
 
 def cat_outputs_cp_object_list(
@@ -226,7 +220,7 @@ def cat_outputs_cp_object_list(
     """
     if _off(cp_group):
         return object_list
-    pickle_ok = _pickle_allowed(allow_pickle)
+    pickle_ok = pickle_allowed(allow_pickle)
 
     def facts() -> list[int]:
         if not isinstance(object_list, (list, tuple)):
