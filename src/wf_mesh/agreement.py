@@ -27,15 +27,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+import typing
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from wf_mesh import errors
 
-__all__ = ["Agreed", "agree", "checks_enabled", "comm_device"]
+__all__ = ["Agreed", "Facts", "agree", "checks_enabled", "comm_device", "fact"]
 
 ROW = 48
 """int64 slots each rank contributes per exchange: ``[call, status, error bytes, number of facts, *facts]``."""
@@ -92,6 +94,8 @@ _TYPES: tuple[type[BaseException], ...] = (
     Exception,
 )
 
+F = TypeVar("F", bound="Facts")
+
 _checks: bool | None = None  # set while a mesh built with an explicit choice is alive
 
 
@@ -131,27 +135,153 @@ def float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
+def bits_float(bits: int) -> float:
+    """The float whose IEEE-754 bits :func:`float_bits` returned."""
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Facts as named records
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """How one field travels: its slots on the wire, and how a value is written, read back and shown."""
+
+    name: str
+    encode: Callable[[object], list[int]]
+    decode: Callable[[list[int]], tuple[object, list[int]]]  # (value, the slots left)
+
+
+def _one(to_int: Callable[[object], int], from_int: Callable[[int], object]) -> tuple[Callable, Callable]:
+    return (lambda v: [to_int(v)]), (lambda s: (from_int(s[0]), s[1:]))
+
+
+def _optional_int_encode(value: object) -> list[int]:
+    return [0, 0] if value is None else [1, int(value)]  # type: ignore[call-overload]
+
+
+def _tuple_encode(value: object) -> list[int]:
+    values = [int(v) for v in value]  # type: ignore[attr-defined]
+    return [len(values), *values]
+
+
+def _kind_of(annotation: object, choices: Sequence[object] | None) -> _Kind:
+    if choices is not None:
+        options = tuple(choices)
+
+        def to_index(v: object) -> int:
+            if v not in options:
+                raise ValueError(f"{v!r} is not one of {list(options)}")
+            return options.index(v)
+
+        return _Kind("choice", *_one(to_index, lambda i: options[i]))
+    kinds = {
+        bool: ("bool", *_one(lambda v: int(bool(v)), bool)),
+        int: ("int", *_one(int, int)),  # type: ignore[arg-type]
+        float: ("float", *_one(float_bits, bits_float)),  # type: ignore[arg-type]
+        torch.dtype: ("dtype", *_one(dtype_code, lambda i: DTYPES[i])),  # type: ignore[arg-type]
+        int | None: ("int | None", _optional_int_encode, lambda s: (s[1] if s[0] else None, s[2:])),
+        tuple[int, ...]: ("tuple[int, ...]", _tuple_encode, lambda s: (tuple(s[1 : 1 + s[0]]), s[1 + s[0] :])),
+    }
+    for key, (name, encode, decode) in kinds.items():
+        if annotation == key:
+            return _Kind(name, encode, decode)
+    raise TypeError(
+        f"a fact must be bool, int, float, torch.dtype, int | None, tuple[int, ...] or have choices; got {annotation}"
+    )
+
+
+def fact(*, label: str | None = None, choices: Sequence[object] | None = None, local: bool = False) -> Any:
+    """Declare a field of a :class:`Facts` record.
+
+    Args:
+        label: how messages name the field (default: its name).
+        choices: the values the field may take (any objects, compared with ``==``); it travels as an index.
+        local: the value stays on this rank (``Agreed.mine``): results of the validation the caller needs,
+            such as unwrapped tensors. Local fields are not exchanged and cannot be compared.
+    """
+    return dataclasses.field(metadata={"label": label, "choices": choices, "local": local})
+
+
+class Facts:
+    """Base of an agreement record: a frozen dataclass whose fields are the facts one rank reports.
+
+    Subclass it with ``@dataclasses.dataclass(frozen=True)``. Each field is a bool, int, float, torch.dtype,
+    ``int | None``, ``tuple[int, ...]`` or a :func:`fact` with ``choices``; :func:`fact` also sets the label
+    messages use and marks ``local`` fields, which stay on this rank. The wire is one fixed-size int64 row:
+    the fields in declaration order, each in the slots its kind takes.
+    """
+
+    @classmethod
+    def _wire_fields(cls) -> list[tuple[dataclasses.Field, _Kind]]:
+        cached = cls.__dict__.get("_wire_cache")
+        if cached is None:
+            hints = typing.get_type_hints(cls)
+            cached = [
+                (f, _kind_of(hints[f.name], f.metadata.get("choices")))
+                for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                if not f.metadata.get("local")
+            ]
+            cls._wire_cache = cached  # type: ignore[attr-defined]
+        return cached
+
+    @classmethod
+    def label(cls, name: str) -> str:
+        """How messages name field ``name``."""
+        field = {f.name: f for f in dataclasses.fields(cls)}[name]  # type: ignore[arg-type]
+        return field.metadata.get("label") or name
+
+    def encode(self) -> list[int]:
+        """The record's wire slots (local fields left out)."""
+        slots: list[int] = []
+        for field, kind in self._wire_fields():
+            try:
+                slots += kind.encode(getattr(self, field.name))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{type(self).__name__}.{field.name}: {exc}") from None
+        return slots
+
+    @classmethod
+    def decode(cls, slots: Sequence[int]) -> Facts:
+        """A record from its wire slots; local fields are None."""
+        rest, values = list(slots), {}
+        for field, kind in cls._wire_fields():
+            values[field.name], rest = kind.decode(rest)
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            values.setdefault(field.name, None)
+        return cls(**values)
+
+
 def _call_code(what: str) -> int:
     return zlib.crc32(what.encode()) & 0x7FFFFFFF
 
 
-def header_row(what: str, facts: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def header_row(what: str, facts: Facts | Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """One rank's row as an int64 tensor of ``ROW`` (the wire format of every header wf_mesh sends, also
     point to point: the pipeline's checked mode sends one before each payload)."""
-    facts = [int(f) for f in facts]
-    if len(facts) > MAX_FACTS:
-        raise ValueError(f"{what}: too many facts for a header ({len(facts)} > {MAX_FACTS})")
+    slots = _slots(what, facts)
     row = torch.zeros(ROW, dtype=torch.int64)
-    row[: 4 + len(facts)] = torch.tensor([_call_code(what), _OK, 0, len(facts), *facts], dtype=torch.int64)
+    row[: 4 + len(slots)] = torch.tensor([_call_code(what), _OK, 0, len(slots), *slots], dtype=torch.int64)
     return row.to(device)
 
 
-def read_header(row: torch.Tensor, what: str) -> tuple[int, ...] | None:
-    """The facts of a :func:`header_row` sent by ``what``; None if the row is not such a header."""
+def read_header(row: torch.Tensor, what: str, schema: type[F] | None = None) -> F | tuple[int, ...] | None:
+    """The facts of a :func:`header_row` sent by ``what`` (a ``schema`` record, else the raw ints); None if the
+    row is not such a header."""
     values = row.tolist()
     if values[0] != _call_code(what) or values[1] != _OK or not 0 <= values[3] <= MAX_FACTS:
         return None
-    return tuple(values[4 : 4 + values[3]])
+    slots = tuple(values[4 : 4 + values[3]])
+    return slots if schema is None else schema.decode(slots)
+
+
+def _slots(what: str, facts: Facts | Sequence[int]) -> list[int]:
+    slots = facts.encode() if isinstance(facts, Facts) else [int(f) for f in facts]
+    if len(slots) > MAX_FACTS:
+        raise ValueError(f"{what}: too many facts for one row ({len(slots)} slots > {MAX_FACTS})")
+    return slots
 
 
 def _type_code(exc: BaseException) -> int:
@@ -171,69 +301,105 @@ def _by_value(ranks: Sequence[int], values: Sequence[object]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Agreed:
-    """What every rank of the group reported, in group-rank order (the same object on every rank)."""
+class Agreed(Generic[F]):
+    """What every rank of the group reported, in group-rank order (the same object on every rank), and this
+    rank's own record with its local fields."""
 
     what: str
     ranks: list[int]
     """Global ranks of the group, in group-rank order."""
-    rows: list[tuple[int, ...]]
-    """Each rank's facts."""
+    rows: list[F] | None
+    """Each rank's record as exchanged (local fields None); None when the exchange did not run (checks off)."""
+    mine: F | None = None
+    """This rank's record, local fields included."""
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether the ranks exchanged their facts (False: checks off, only this rank's validation ran)."""
+        return self.rows is not None
+
+    def values(self, name: str) -> list:
+        """Field ``name`` of every rank's record, in group-rank order."""
+        if self.rows is None:
+            raise RuntimeError(f"{self.what}: the facts were not exchanged (checks are off)")
+        return [getattr(row, name) for row in self.rows]
 
     def require_same(
         self,
-        label: str,
-        value: Callable[[tuple[int, ...]], object] | None = None,
-        *,
+        *names: str,
+        key: Callable[[F], object] | None = None,
+        label: str | None = None,
         error: type[errors.DisagreementError] = errors.DisagreementError,
         hint: str = "",
     ) -> None:
-        """Raise ``error`` on every rank unless ``value(row)`` (default: the whole row) is equal on all ranks.
+        """Raise ``error`` on every rank unless the fields ``names`` (or ``key(record)``) are equal on all ranks.
 
-        The message names ``label`` and each rank's value.
+        The message names the fields (their labels, or ``label``) and each rank's value. Nothing to check when
+        the exchange did not run.
         """
-        values = [row if value is None else value(row) for row in self.rows]
+        if self.rows is None:
+            return
+        if key is None:
+            if not names:
+                raise TypeError("require_same needs field names or a key")
+            schema = type(self.rows[0])
+            key = (
+                (lambda r: getattr(r, names[0])) if len(names) == 1 else (lambda r: tuple(getattr(r, n) for n in names))
+            )
+            labels = [schema.label(n) for n in names]  # type: ignore[attr-defined]
+            label = label or (labels[0] if len(labels) == 1 else "(" + ", ".join(labels) + ")")
+        elif label is None:
+            raise TypeError("require_same with a key needs its label")
+        values = [key(row) for row in self.rows]
         if any(v != values[0] for v in values[1:]):
             raise error(f"{self.what}: ranks disagree on {label} ({_by_value(self.ranks, values)}){hint}")
 
 
 def agree(
     group: dist.ProcessGroup,
-    facts: Callable[[], Sequence[int]],
+    facts: Callable[[], F],
     *,
     what: str,
     required: bool = False,
-) -> Agreed | None:
+) -> Agreed[F]:
     """Run ``facts()`` (this rank's validation and facts) and exchange the result with every rank of ``group``.
 
-    Returns the :class:`Agreed` facts of all ranks, or None when the exchange is validation only
-    (``required=False``) and :func:`checks_enabled` is off (then ``facts()`` still runs here and its
-    exception, if any, is raised on this rank only). If any rank's ``facts()`` raised, or ranks are in
-    different calls (``what``), every rank raises (see the module docstring) and no data collective follows.
+    Returns the :class:`Agreed` records of all ranks. When the exchange is validation only (``required=False``)
+    and :func:`checks_enabled` is off, only ``facts()`` runs (its exception, if any, is raised on this rank
+    only) and the result has ``rows=None``. If any rank's ``facts()`` raised, or ranks are in different calls
+    (``what``), every rank raises (see the module docstring) and no data collective follows.
 
     Args:
         group: the group the following collective runs on.
-        facts: returns up to ``MAX_FACTS`` ints; whatever it raises is this rank's verdict.
+        facts: returns this rank's :class:`Facts` record (at most ``MAX_FACTS`` slots on the wire); whatever
+            it raises is this rank's verdict.
         what: the call's name, e.g. ``"gather_sequence"``; it starts every message.
         required: the caller needs the other ranks' facts (not just validation): never skipped.
+
+    Returns:
+        The agreed records; ``mine`` is this rank's own, local fields included.
+
+    Raises:
+        The type a failing rank raised (on every rank), or DisagreementError when ranks are in different calls.
     """
+    ranks = dist.get_process_group_ranks(group)
     if not required and not checks_enabled():
-        facts()
-        return None
+        skipped = facts()
+        return Agreed(what, ranks, None, skipped) if isinstance(skipped, Facts) else None  # type: ignore[return-value]
     message = b""
+    mine = None
     try:
-        mine = tuple(int(f) for f in facts())
-        if len(mine) > MAX_FACTS:
-            raise ValueError(f"{what}: too many facts to agree on ({len(mine)} > {MAX_FACTS})")
+        mine = facts()
+        slots = _slots(what, mine)
         status = _OK
     except Exception as exc:
-        mine, status = (), _RAISED
+        slots, status = [], _RAISED
         text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         text = text.removeprefix(f"{what}: ")
         if _TYPES[_type_code(exc)] is Exception:
             text = f"{type(exc).__name__}: {text}"
         message = f"{_type_code(exc)}:{text}".encode("utf-8", "backslashreplace")
-    row = [_call_code(what), status, len(message), len(mine), *mine]
+    row = [_call_code(what), status, len(message), len(slots), *slots]
     size = dist.get_world_size(group)
     device = comm_device(group)
     sent = torch.zeros(ROW, dtype=torch.int64)
@@ -241,7 +407,6 @@ def agree(
     gathered = torch.empty(size * ROW, dtype=torch.int64, device=device)
     dist.all_gather_single(gathered, sent.to(device), group=group)
     table = gathered.view(size, ROW).tolist()
-    ranks = dist.get_process_group_ranks(group)
     calls = [r[0] for r in table]
     if any(c != calls[0] for c in calls) or any(r[1] != _OK for r in table):
         same_call = all(c == calls[0] for c in calls)
@@ -254,7 +419,10 @@ def agree(
                 "group must make the same collective calls in the same order"
             )
         _raise_reported(what, ranks, texts)
-    return Agreed(what, ranks, [tuple(r[4 : 4 + r[3]]) for r in table])
+    received = [tuple(r[4 : 4 + r[3]]) for r in table]
+    schema = type(mine)
+    rows = [schema.decode(r) for r in received] if isinstance(mine, Facts) else received
+    return Agreed(what, ranks, rows, mine)  # type: ignore[arg-type]
 
 
 def _gather_messages(message: bytes, lengths: list[int], group: dist.ProcessGroup, device: torch.device) -> list[str]:
