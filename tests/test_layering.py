@@ -24,8 +24,10 @@ LAYERS = {
         "attention_ops",
         "log",
     ],
-    4: ["parallel_state", "legacy", "compat"],  # the legacy layer: legacy names and state
-    5: ["viz", "testing", "process_tree", "cli", "demo", "__init__", "__main__"],  # surface
+    4: ["legacy"],  # the legacy layer: legacy functions, lifecycle and state (never parallel_state)
+    5: ["parallel_state"],  # Megatron's / MAGI-1's module face over legacy.model_parallel
+    6: ["compat"],  # worldfoundry's module tree over legacy/* and parallel_state
+    7: ["viz", "testing", "process_tree", "cli", "demo", "__init__", "__main__"],  # surface
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
 PURE = set(LAYERS[0])

@@ -4,6 +4,7 @@ every rank where they come from a collective, and at once (no torch.distributed 
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import wf_mesh
@@ -15,6 +16,7 @@ from wf_mesh.errors import (
     NotInitializedError,
     StateError,
 )
+from wf_mesh.legacy.errors import LegacyStateError
 from wf_mesh.testing import run_distributed
 
 WORLD = 4  # the Megatron-style tests (test_megatron_parallel_state.py) run at 8 ranks
@@ -116,7 +118,8 @@ def lifecycle(config_path):
         warnings.simplefilter("always")
         ps.initialize_model_parallel(pipeline_model_parallel_size=4, nccl_communicator_config_path=config_path)
     out["warnings"] = [str(w.message) for w in caught]
-    ps.cp_size_t = 4  # as find_split sets it
+    wf_mesh.find_split((1, 16, 24, 88, 160), 16)  # sets cp_size_t
+    out["cp_size_t"] = ps.cp_size_t
     ps.destroy_model_parallel()
     # pp=4: the embedding groups [first, last] and the position-embedding groups [first] are new groups; destroyed.
     out["after_destroy"] = (
@@ -139,6 +142,7 @@ def test_lifecycle(tmp_path):
         assert got["unchecked"] == (None, None, None, None)
         ignored = f"nccl_communicator_config_path={str(path)!r} ignored: backend is 'gloo', not 'nccl'"
         assert got["warnings"] == [ignored]
+        assert got["cp_size_t"] == 8
         assert got["after_destroy"] == (False, False, 0)
         assert got["kept"] == (True, True)
 
@@ -242,7 +246,7 @@ def outside_the_pipeline(pipeline):
         (
             initialize_twice,
             (),
-            StateError,
+            LegacyStateError,  # a StateError and Megatron's AssertionError
             (
                 "init_parallel: model parallel is already initialized (ParallelDims(tp=2, cp=1, pp=1, dp=2, "
                 "order='tp-cp-pp-dp')); call wf_mesh.destroy_model_parallel() before initializing again"
@@ -298,8 +302,49 @@ def test_gloo_groups_not_created():
         "get_data_parallel_group_gloo",
         return_exceptions=True,
     ):
-        assert type(exc) is StateError
+        assert type(exc) is LegacyStateError and isinstance(exc, AssertionError)
         assert str(exc) == "no Gloo groups: initialize_model_parallel was called with create_gloo_process_groups=False"
+
+
+def gloo_on_first_request():
+    """Megatron's Gloo groups: none until the first request (every rank makes it), then dp's ranks on Gloo."""
+    held = _compat.process_group_counts()[0]
+    ps.initialize_model_parallel(cp_size=2)  # 4 ranks: cp=2, dp=2
+    out = {"before": (ps._DATA_PARALLEL_GROUP_GLOO, _compat.process_group_counts()[0] - held)}
+    built = _compat.process_group_counts()[0]
+    dp, dp_cp = ps.get_dp_group_gloo(), ps.get_dp_group_gloo(with_context_parallel=True)
+    total = torch.tensor([dist.get_rank()])
+    dist.all_reduce(total, group=dp)
+    out["groups"] = {
+        "ranks": (dist.get_process_group_ranks(dp), dist.get_process_group_ranks(dp_cp)),
+        "mesh": (dist.get_process_group_ranks(ps.get_dp_group()), dist.get_process_group_ranks(ps.get_dp_group(True))),
+        "backends": (dist.get_backend(dp), dist.get_backend(dp_cp)),
+        "own": dp is not ps.get_dp_group() and dp_cp is not ps.get_dp_group(True),
+        "again": ps.get_dp_group_gloo() is dp and ps.get_dp_group_gloo(True) is dp_cp,
+        "globals": ps._DATA_PARALLEL_GROUP_GLOO is dp and ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO is dp_cp,
+        "sum": total.item(),
+        "created": _compat.process_group_counts()[0] - built > 0,
+    }
+    ps.destroy_model_parallel()
+    out["after"] = (ps._DATA_PARALLEL_GROUP_GLOO, _compat.process_group_counts()[0] - held)
+    return out
+
+
+def test_gloo_groups_made_on_first_request():
+    plan = wf_mesh.ParallelDims(cp=2).resolve(WORLD)
+    for rank, got in enumerate(run_distributed(WORLD, gloo_on_first_request)):
+        dp, dp_cp = plan.group_of("dp", rank), plan.group_of("dp-cp", rank)
+        assert got["before"][0] is None and got["after"] == (None, 0)
+        assert got["groups"] == {
+            "ranks": (dp, dp_cp),
+            "mesh": (dp, dp_cp),
+            "backends": ("gloo", "gloo"),
+            "own": True,
+            "again": True,
+            "globals": True,
+            "sum": sum(dp),
+            "created": True,
+        }
 
 
 def test_embedding_group_outside_it():
@@ -310,7 +355,8 @@ def test_embedding_group_outside_it():
         if rank in (0, 3):
             assert result == [0, 3]
         else:
-            assert type(result) is StateError and isinstance(result, AssertionError)
+            assert type(result) is LegacyStateError
+            assert isinstance(result, StateError) and isinstance(result, AssertionError)
             assert str(result) == (
                 f"rank {rank} is in no embedding group: its pipeline {pipeline} has embedding ranks "
                 f"[{pipeline[0]}, {pipeline[-1]}]"

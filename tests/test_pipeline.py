@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh.errors import DisagreementError, PipelineStateError
+from wf_mesh.errors import DisagreementError
+from wf_mesh.legacy.errors import PipelineStateError
 from wf_mesh.legacy.pipeline import PPScheduler, init_pp_scheduler, pp_scheduler, pp_scheduler_or_none
 from wf_mesh.pipeline import PipelineP2P, build_pipeline_stage
 from wf_mesh.testing import run_distributed

@@ -52,7 +52,6 @@ _EXPORTS: dict[str, str] = {
     "DisagreementError": "wf_mesh.errors",
     "IndivisibleSequenceError": "wf_mesh.errors",
     "NotInitializedError": "wf_mesh.errors",
-    "PipelineStateError": "wf_mesh.errors",
     "ShapeMismatchError": "wf_mesh.errors",
     "StateError": "wf_mesh.errors",
     "broadcast_shard": "wf_mesh.context_parallel",
@@ -75,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "print_rank_0": "wf_mesh.log",
     "broadcast": "wf_mesh.collectives",
     # legacy (wf_mesh.legacy, wf_mesh.parallel_state)
+    "PipelineStateError": "wf_mesh.legacy.errors",
     "DTensorFastEmaModelUpdater": "wf_mesh.legacy.ema",
     "get_local_tensor_if_dtensor": "wf_mesh.legacy.ema",
     "broadcast_split_tensor": "wf_mesh.legacy.context_parallel",

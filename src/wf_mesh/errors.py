@@ -1,8 +1,8 @@
 """The exceptions wf_mesh raises beyond Python's own (pure: importing this module imports nothing else).
 
-Several inherit from two built-in types on purpose: the original ``worldfoundry`` / Megatron code raised
-``AssertionError`` or ``RuntimeError`` where wf_mesh raises something more precise, and callers that catch the
-old type keep working.
+Several inherit from two built-in types on purpose (a precise type, and the built-in type callers already
+catch there). None is an ``AssertionError``: the legacy functions, whose contract is one, raise the subclasses
+of :mod:`wf_mesh.legacy.errors`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ __all__ = [
     "DisagreementError",
     "IndivisibleSequenceError",
     "NotInitializedError",
-    "PipelineStateError",
     "ShapeMismatchError",
     "StateError",
 ]
@@ -36,20 +35,13 @@ class ShapeMismatchError(DisagreementError):
     """
 
 
-class IndivisibleSequenceError(AssertionError, ValueError):
-    """A length that must divide evenly does not. An AssertionError (the legacy contract) and a ValueError."""
+class IndivisibleSequenceError(ValueError):
+    """A length that must divide evenly does not."""
 
 
-class StateError(RuntimeError, AssertionError):
-    """wf_mesh state used out of order: before initialization, or initialized twice.
-
-    A RuntimeError and an AssertionError: Megatron's ``parallel_state`` and the original package assert.
-    """
+class StateError(RuntimeError):
+    """wf_mesh state used out of order: before initialization, or initialized twice."""
 
 
 class NotInitializedError(StateError):
     """Model parallel (the mesh) is used before it was initialized."""
-
-
-class PipelineStateError(StateError):
-    """The process-wide PP scheduler is used before :func:`~wf_mesh.init_pp_scheduler`, or created twice."""

@@ -47,31 +47,49 @@ from wf_mesh import _compat, agreement
 from wf_mesh.errors import NotInitializedError, StateError
 from wf_mesh.topology import AXES, DERIVED_AXES, SUB_AXES, ParallelDims, as_int, parse_axes
 
-__all__ = ["ParallelMesh", "get_parallel_mesh", "hsdp_rank_grid", "init_parallel", "parallel_mesh_or_none"]
-
-# Companion gloo groups for CPU-side work (Megatron's ``get_data_parallel_group_gloo``), created only when
-# the main backend is NCCL.
-GLOO_COMPANIONS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp"}
+__all__ = [
+    "ParallelMesh",
+    "extensions",
+    "get_parallel_mesh",
+    "hsdp_rank_grid",
+    "init_parallel",
+    "parallel_mesh_or_none",
+    "register_extension",
+    "reset_extensions",
+]
 
 _ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
 _DEVICE_TYPES = ["cpu", "cuda"]
 
 _current: ParallelMesh | None = None
-_destroy_hooks: list[Callable[[bool], None]] = []
+_extensions: dict[str, Callable[[bool], None]] = {}
 
 
-def register_destroy_hook(hook: Callable[[bool], None]) -> None:
-    """Call ``hook(destroy_process_groups)`` whenever the current mesh is destroyed, before its groups are (the
-    legacy layer resets its process-wide state here: the PP scheduler, cached group meshes, groups it
-    created itself, ``parallel_state.cp_size_t``). The flag says whether process groups are being destroyed."""
-    if hook not in _destroy_hooks:
-        _destroy_hooks.append(hook)
+# ---- extensions: state kept by upper layers that lives as long as the current mesh --------------------
+def register_extension(name: str, reset: Callable[[bool], None]) -> None:
+    """Register process-wide state that an upper layer keeps per mesh (the extension point of the mesh).
+
+    ``reset(destroy_process_groups)`` runs whenever the current mesh is destroyed, before its process groups
+    are (and on :func:`reset_extensions`); it forgets the state and, when the flag is true, destroys the
+    process groups the extension created itself. Extensions run in registration order; registering ``name``
+    again replaces its reset. :func:`extensions` lists them.
+
+    Args:
+        name: what the state is, e.g. ``"legacy.pp_scheduler"``.
+        reset: called with ``destroy_process_groups``.
+    """
+    _extensions[name] = reset
 
 
-def run_destroy_hooks(destroy_process_groups: bool = True) -> None:
-    """Reset every registered per-mesh state (what destroying the current mesh does first)."""
-    for hook in _destroy_hooks:
-        hook(destroy_process_groups)
+def extensions() -> tuple[str, ...]:
+    """Names of the registered extensions, in the order their resets run."""
+    return tuple(_extensions)
+
+
+def reset_extensions(destroy_process_groups: bool = True) -> None:
+    """Reset every registered extension (what destroying the current mesh does first)."""
+    for reset in _extensions.values():
+        reset(destroy_process_groups)
 
 
 class ParallelMesh:
@@ -204,7 +222,7 @@ class ParallelMesh:
         self.destroyed = True
         if _current is self:
             _current = None
-            run_destroy_hooks(destroy_process_groups)
+            reset_extensions(destroy_process_groups)
             agreement.set_checks(None)
         _compat.release_meshes(self.root, self._meshes, destroy_groups=destroy_process_groups)
         self._axes = {}
@@ -391,10 +409,6 @@ def init_parallel(
         )
         axes["cp_ring"], axes["cp_ulysses"] = split["cp_ring"], split["cp_ulysses"]
         meshes.append(split)
-    if backend == "nccl":
-        gloo = ("gloo", _compat.backend_options("gloo", timeout or default_timeout))
-        for name, source in GLOO_COMPANIONS.items():
-            add_flattened(name, parse_axes(source), gloo)
     hsdp = None
     if dp_replicate is not None:
         hsdp = _build_hsdp(dims, dp_replicate, device_type, options("shard", 0))

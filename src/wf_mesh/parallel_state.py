@@ -33,30 +33,41 @@ other than the default group's (UCC), and older Megatron's encoder pipeline (``e
 ``pipeline_model_parallel_split_rank``).
 
 Megatron semantics kept: group getters take ``check_initialized`` (``False``: None instead of an error when
-nothing is initialized) and raise :class:`~wf_mesh.errors.NotInitializedError` (an AssertionError and a
-RuntimeError) before initialization; ``set_{tensor,pipeline}_model_parallel_{world_size,rank}`` override the
+nothing is initialized) and raise :class:`~wf_mesh.legacy.errors.LegacyNotInitializedError` (a
+NotInitializedError, a RuntimeError and an AssertionError) before initialization; ``set_{tensor,pipeline}_model_parallel_{world_size,rank}`` override the
 getters (and the first/last/next/prev pipeline ranks computed from them) until reset with None or until
 :func:`destroy_model_parallel`; next/prev pipeline ranks wrap around (the pipeline is a ring);
 ``is_pipeline_first_stage(ignore_virtual=False)`` judges the virtual stage ``vp_stage`` (or, when it is None,
 the virtual rank set with :func:`set_virtual_pipeline_model_parallel_rank`, as older Megatron did).
 The overrides apply to the MAGI-1 short names too (``get_tp_world_size`` is ``get_tensor_model_parallel_world_size``).
 Differences: when torch.distributed is not initialized at all, world-size getters return 1 and rank getters
-0 (a single process is a world of one; Megatron and MAGI-1 return 0 for some sizes); the Gloo getters return
-the data-parallel group itself when the backend already is Gloo; on a rank outside every embedding group,
-``get_embedding_group()`` raises :class:`~wf_mesh.errors.StateError` (also an AssertionError) naming the
-embedding ranks of its pipeline; and the embedding groups exist only when the mesh was built by
+0 (a single process is a world of one; Megatron and MAGI-1 return 0 for some sizes); the Gloo getters create
+their groups on the first call (collective over the world: every rank must make it, see
+:func:`get_dp_group_gloo`), not at initialization; on a rank outside every embedding group,
+``get_embedding_group()`` raises :class:`~wf_mesh.legacy.errors.LegacyStateError` (also an AssertionError)
+naming the embedding ranks of its pipeline; and the embedding groups exist only when the mesh was built by
 :func:`initialize_model_parallel` (not by ``wf_mesh.init_parallel``).
 
-``cp_size_t`` (the temporal share of the CP degree) is set on this module by ``find_split`` and removed when the
-mesh is destroyed; position-embedding code reads it with ``hasattr``.
+Module globals. Megatron's module globals that callers and Megatron's own tests read
+(``parallel_state._TENSOR_MODEL_PARALLEL_GROUP``, ``_DATA_PARALLEL_GLOBAL_RANKS``, ... :data:`MEGATRON_GLOBALS`)
+are computed on every read from the live mesh and state (PEP 562 module ``__getattr__``): None when model
+parallel is not initialized, as in Megatron after ``destroy_model_parallel``. The Gloo globals are None until
+the Gloo groups were requested. They are read-only: assigning one shadows it for good.
+
+``cp_size_t`` (the temporal share of the CP degree) is what the last ``find_split`` planned; it is absent (an
+AttributeError) until then and again once the mesh is destroyed; position-embedding code reads it with
+``hasattr``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 
-from wf_mesh.errors import NotInitializedError, StateError
+from wf_mesh.legacy import context_parallel as _cp
 from wf_mesh.legacy import model_parallel as _mp
+from wf_mesh.legacy.errors import LegacyNotInitializedError, LegacyStateError, asserting
 from wf_mesh.legacy.model_parallel import (
     DEFAULT_ORDER,
     MEGATRON_ORDER,
@@ -66,12 +77,13 @@ from wf_mesh.legacy.model_parallel import (
     initialize_model_parallel,
     load_nccl_communicator_config,
 )
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
 from wf_mesh.topology import as_int
 
 __all__ = [
     # lifecycle
     "DEFAULT_ORDER",
+    "MEGATRON_GLOBALS",
     "MEGATRON_ORDER",
     "initialize_model_parallel",
     "destroy_model_parallel",
@@ -146,13 +158,6 @@ __all__ = [
 ]
 
 
-def _forget_cp_size_t(destroy_process_groups: bool) -> None:
-    globals().pop("cp_size_t", None)
-
-
-register_destroy_hook(_forget_cp_size_t)
-
-
 def model_parallel_is_initialized() -> bool:
     """True once :func:`initialize_model_parallel` (or ``init_parallel``) has built the mesh."""
     return parallel_mesh_or_none() is not None
@@ -163,7 +168,10 @@ is_initialized = model_parallel_is_initialized
 
 # ---- helpers ----------------------------------------------------------------------------------------
 def _mesh(check_initialized: bool) -> ParallelMesh | None:
-    return get_parallel_mesh() if check_initialized else parallel_mesh_or_none()
+    if not check_initialized:
+        return parallel_mesh_or_none()
+    with asserting():  # Megatron asserts: a LegacyNotInitializedError
+        return get_parallel_mesh()
 
 
 def _group(axis: str, check_initialized: bool = True) -> dist.ProcessGroup | None:
@@ -181,7 +189,7 @@ def _size(axis: str, override: int | None = None) -> int:
         return override
     if not dist.is_initialized():
         return 1
-    return get_parallel_mesh().size(axis)
+    return _mesh(True).size(axis)
 
 
 def _rank(axis: str, override: int | None = None) -> int:
@@ -189,7 +197,7 @@ def _rank(axis: str, override: int | None = None) -> int:
         return override
     if not dist.is_initialized():
         return 0
-    return get_parallel_mesh().rank(axis)
+    return _mesh(True).rank(axis)
 
 
 def _override(name: str, value: int | None, minimum: int) -> int | None:
@@ -329,7 +337,7 @@ def set_pipeline_model_parallel_rank(rank: int | None) -> None:
 
 def _pipeline_rank(stage: int) -> int:
     """Global rank of ``stage`` of this rank's pipeline (stages counted modulo the pp world size)."""
-    ranks, size = get_parallel_mesh().ranks("pp"), get_pp_world_size()
+    ranks, size = _mesh(True).ranks("pp"), get_pp_world_size()
     stage %= size
     if stage >= len(ranks):
         raise IndexError(
@@ -418,10 +426,10 @@ def _embedding_group(kind: str, check_initialized: bool) -> dist.ProcessGroup | 
         return group
     name = kind.replace("_", "-")
     if not _mp.state.built:
-        raise NotInitializedError(
+        raise LegacyNotInitializedError(
             f"no {name} group: it is built by initialize_model_parallel, and this mesh was built by init_parallel"
         )
-    raise StateError(
+    raise LegacyStateError(
         f"rank {mesh.global_rank} is in no {name} group: its pipeline {mesh.ranks('pp')} has {name} ranks "
         f"{getattr(_mp.state, f'{kind}_ranks')}"
     )
@@ -430,7 +438,7 @@ def _embedding_group(kind: str, check_initialized: bool) -> dist.ProcessGroup | 
 def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
     """The group of the stages holding the word embeddings (default: first and last) of this rank's pipeline.
 
-    StateError on a rank outside it (None with ``check_initialized=False``).
+    LegacyStateError on a rank outside it (None with ``check_initialized=False``).
     """
     return _embedding_group("embedding", check_initialized)
 
@@ -438,7 +446,7 @@ def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | N
 def get_position_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
     """The group of the stages holding the position embeddings (default: the first) of this rank's pipeline.
 
-    StateError on a rank outside it (None with ``check_initialized=False``).
+    LegacyStateError on a rank outside it (None with ``check_initialized=False``).
     """
     return _embedding_group("position_embedding", check_initialized)
 
@@ -480,7 +488,7 @@ def get_dp_group(
     """
     axis = _dp(with_context_parallel, partial_data_parallel)
     if with_context_parallel and independent_all_gather:
-        raise StateError(
+        raise LegacyStateError(
             "independent_all_gather=True: wf_mesh builds no separate all-gather group "
             "(create_all_gather_group is not supported); use get_data_parallel_group(with_context_parallel=True)"
         )
@@ -490,15 +498,20 @@ def get_dp_group(
 def get_dp_group_gloo(
     with_context_parallel: bool = False, partial_data_parallel: bool = False, *, check_initialized: bool = True
 ) -> dist.ProcessGroup | None:
-    """A Gloo group over the same ranks as :func:`get_dp_group` (the dp group itself when the backend is Gloo)."""
-    axis = _dp(with_context_parallel, partial_data_parallel)
-    mesh = _mesh(check_initialized)
-    if mesh is None:
+    """A Gloo group over the same ranks as :func:`get_dp_group` (dp x cp with ``with_context_parallel=True``).
+
+    Created on the first call (both kinds at once) and destroyed with the mesh. That first call is collective
+    over the whole world: every rank must make it (as in Megatron, where every rank builds them at init).
+    None with ``check_initialized=False`` when nothing is initialized.
+
+    Raises:
+        LegacyStateError: ``create_gloo_process_groups=False`` was passed to initialize_model_parallel.
+        LegacyNotInitializedError: model parallel is not initialized.
+    """
+    _dp(with_context_parallel, partial_data_parallel)  # the arguments' own check
+    if _mesh(check_initialized) is None:
         return None
-    if not _mp.state.gloo:
-        raise StateError("no Gloo groups: initialize_model_parallel was called with create_gloo_process_groups=False")
-    gloo_axis = f"{axis}_gloo"
-    return mesh.group(gloo_axis if gloo_axis in mesh.axes else axis)
+    return _mp.data_parallel_gloo_group(with_context_parallel)
 
 
 def get_dp_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
@@ -553,3 +566,70 @@ def get_amax_reduction_group(
     if tp_only_amax_red:
         return get_tp_group(check_initialized, with_context_parallel)
     return get_tensor_and_data_parallel_group(check_initialized, with_context_parallel)
+
+
+# ---- Megatron's module globals (PEP 562) ----------------------------------------------------------------
+def _live_group(axis: str) -> Callable[[], dist.ProcessGroup | None]:
+    return lambda: _group(axis, check_initialized=False)
+
+
+def _live_ranks(axis: str) -> Callable[[], list[int] | None]:
+    return lambda: _ranks(axis, check_initialized=False)
+
+
+def _live_gloo(axis: str) -> Callable[[], dist.ProcessGroup | None]:
+    def read() -> dist.ProcessGroup | None:
+        groups = _mp.state.gloo_groups
+        return None if groups is None or parallel_mesh_or_none() is None else groups[axis]
+
+    return read
+
+
+def _live_state(field: str) -> Callable[[], object]:
+    return lambda: getattr(_mp.state, field) if parallel_mesh_or_none() is not None else None
+
+
+MEGATRON_GLOBALS: dict[str, Callable[[], object]] = {
+    "_MODEL_PARALLEL_GROUP": _live_group("tp_pp"),
+    "_MODEL_PARALLEL_GLOBAL_RANKS": _live_ranks("tp_pp"),
+    "_TENSOR_MODEL_PARALLEL_GROUP": _live_group("tp"),
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": _live_ranks("tp"),
+    "_PIPELINE_MODEL_PARALLEL_GROUP": _live_group("pp"),
+    "_PIPELINE_GLOBAL_RANKS": _live_ranks("pp"),
+    "_DATA_PARALLEL_GROUP": _live_group("dp"),
+    "_DATA_PARALLEL_GLOBAL_RANKS": _live_ranks("dp"),
+    "_DATA_PARALLEL_GROUP_GLOO": _live_gloo("dp"),
+    "_DATA_PARALLEL_GROUP_WITH_CP": _live_group("dp_cp"),
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": _live_ranks("dp_cp"),
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": _live_gloo("dp_cp"),
+    "_CONTEXT_PARALLEL_GROUP": _live_group("cp"),
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": _live_ranks("cp"),
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": _live_group("tp_cp"),
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": _live_group("tp_dp"),
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": _live_group("tp_cp_dp"),
+    "_EMBEDDING_GROUP": _live_state("embedding_group"),
+    "_EMBEDDING_GLOBAL_RANKS": _live_state("embedding_ranks"),
+    "_POSITION_EMBEDDING_GROUP": _live_state("position_embedding_group"),
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": _live_state("position_embedding_ranks"),
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": _live_state("tp_world_size"),
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": _live_state("tp_rank"),
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": _live_state("pp_world_size"),
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": _live_state("pp_rank"),
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": _live_state("vpp_rank"),
+    "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": _live_state("vpp_world_size"),
+}
+"""Megatron's module global -> how its live value is read (a group, a rank list, an override), None when model
+parallel is not initialized."""
+
+
+def __getattr__(name: str) -> object:
+    """Megatron's module globals (:data:`MEGATRON_GLOBALS`) and ``cp_size_t``, read live."""
+    if name in MEGATRON_GLOBALS:
+        return MEGATRON_GLOBALS[name]()
+    if name == "cp_size_t" and _cp.cp_size_t() is not None:
+        return _cp.cp_size_t()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *MEGATRON_GLOBALS])

@@ -3,16 +3,19 @@
 They take a ProcessGroup (``None`` = parallelism off: the input comes back as is) where the native API takes
 a mesh: :func:`mesh_for_group` turns a group into a 1-D DeviceMesh (the current mesh's cp axis when it is
 that group, else one built once per group and forgotten when the mesh is destroyed). ``find_split`` keeps the
-original side effect of setting ``wf_mesh.parallel_state.cp_size_t``.
+original side effect: the temporal share of the CP degree it planned, read as ``wf_mesh.parallel_state.cp_size_t``
+(:func:`cp_size_t`). Both live in :data:`state`, the mesh extension ``"legacy.context_parallel"``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from wf_mesh import agreement, parallel_state
+from wf_mesh import agreement
 from wf_mesh.collectives import broadcast, pickle_allowed
 from wf_mesh.context_parallel import (
     broadcast_shard,
@@ -20,8 +23,8 @@ from wf_mesh.context_parallel import (
     normalize_dim,
     shard_sequence,
 )
-from wf_mesh.errors import IndivisibleSequenceError
-from wf_mesh.mesh import parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.legacy.errors import LegacyIndivisibleSequenceError
+from wf_mesh.mesh import parallel_mesh_or_none, register_extension
 from wf_mesh.sizing import split_range
 from wf_mesh.topology import as_int
 from wf_mesh.video import plan_video_split
@@ -30,13 +33,36 @@ __all__ = [
     "broadcast_split_tensor",
     "cat_outputs_cp",
     "cat_outputs_cp_with_grad",
+    "cp_size_t",
     "find_split",
     "mesh_for_group",
     "split_inputs_cp",
 ]
 
-_group_meshes: dict[str, DeviceMesh] = {}
-register_destroy_hook(lambda destroy_process_groups: _group_meshes.clear())
+
+@dataclasses.dataclass
+class State:
+    """What this module keeps per mesh; a fresh one whenever the mesh is destroyed."""
+
+    group_meshes: dict[str, DeviceMesh] = dataclasses.field(default_factory=dict)  # by group name
+    cp_size_t: int | None = None  # set by find_split
+
+
+state = State()
+
+
+def _reset(destroy_process_groups: bool) -> None:
+    global state
+    state = State()  # the meshes over groups it does not own: references only
+
+
+register_extension("legacy.context_parallel", _reset)
+
+
+def cp_size_t() -> int | None:
+    """The temporal share of the CP degree the last :func:`find_split` planned (None: none since the mesh
+    was last destroyed); ``wf_mesh.parallel_state.cp_size_t`` reads it."""
+    return state.cp_size_t
 
 
 def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
@@ -46,9 +72,9 @@ def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
     if current is not None and group is current.group("cp"):
         return current["cp"]
     name = group.group_name
-    if name not in _group_meshes:
-        _group_meshes[name] = DeviceMesh.from_group(group, agreement.comm_device(group).type)
-    return _group_meshes[name]
+    if name not in state.group_meshes:
+        state.group_meshes[name] = DeviceMesh.from_group(group, agreement.comm_device(group).type)
+    return state.group_meshes[name]
 
 
 def _off(group: dist.ProcessGroup | None) -> bool:
@@ -57,7 +83,7 @@ def _off(group: dist.ProcessGroup | None) -> bool:
 
 def _check_divisible(length: int, seq_dim: int, parts: int, what: str) -> None:
     if length % parts:
-        raise IndivisibleSequenceError(
+        raise LegacyIndivisibleSequenceError(
             f"{what}: sequence length {length} (seq_dim={seq_dim}) is not divisible by the cp size {parts}"
         )
 
@@ -67,7 +93,7 @@ def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup |
 
     Returns a NEW tensor, never a view of ``x`` (in-place updates of the shard leave ``x`` alone; the native
     ``shard_sequence`` returns a view). ``cp_group=None`` or a one-rank group returns ``x`` itself. The
-    length must divide evenly: IndivisibleSequenceError (an AssertionError and a ValueError) names the
+    length must divide evenly: LegacyIndivisibleSequenceError (an AssertionError and a ValueError) names the
     length, dim and cp size. Not idempotent: splitting a split tensor shrinks it again.
     """
     if _off(cp_group):
@@ -135,8 +161,11 @@ def find_split(
     """Per-rank ``(T', H', W)`` of a ``(B, C, T, H, W)`` latent split over ``cp_size`` ranks, time first
     (:func:`~wf_mesh.plan_video_split` of the per-view latent, T // view_factor).
 
-    Side effect (Megatron-compatible): sets ``wf_mesh.parallel_state.cp_size_t`` to the ranks that split T;
-    ``destroy_model_parallel`` removes it.
+    Side effect (Megatron-compatible): ``wf_mesh.parallel_state.cp_size_t`` becomes the ranks that split T
+    (:func:`cp_size_t`) until the mesh is destroyed (or ``destroy_model_parallel`` is called).
+
+    Raises:
+        LegacyIndivisibleSequenceError (an AssertionError and a ValueError): T does not divide by view_factor.
 
     >>> find_split((1, 16, 24, 88, 160), 16)
     torch.Size([3, 44, 160])
@@ -147,9 +176,9 @@ def find_split(
     view_factor = as_int("view_factor", view_factor, minimum=1)
     t = as_int("shape_tensor[2] (T)", t, minimum=1)
     if t % view_factor:
-        raise IndivisibleSequenceError(f"find_split: T={t} is not divisible by view_factor={view_factor}")
+        raise LegacyIndivisibleSequenceError(f"find_split: T={t} is not divisible by view_factor={view_factor}")
     split = plan_video_split((b, c, t // view_factor, h, w), cp_size, patch_values)
-    parallel_state.cp_size_t = split.cp_t
+    state.cp_size_t = split.cp_t
     return torch.Size(split.local_thw)
 
 

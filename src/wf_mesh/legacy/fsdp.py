@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from wf_mesh import _compat, agreement
-from wf_mesh.mesh import parallel_mesh_or_none, register_destroy_hook
+from wf_mesh.mesh import parallel_mesh_or_none, register_extension
 from wf_mesh.topology import as_int
 
 __all__ = ["hsdp_device_mesh", "hsdp_rank_grid", "hsdp_sizes"]
@@ -36,7 +36,7 @@ def _release(destroy_process_groups: bool) -> None:
         _compat.release_meshes(mesh, [], destroy_groups=destroy_process_groups)
 
 
-register_destroy_hook(_release)
+register_extension("legacy.hsdp_meshes", _release)
 
 
 def hsdp_sizes(

@@ -1,7 +1,8 @@
 """Megatron-LM / MAGI-1 model-parallel lifecycle: ``initialize_model_parallel`` (MAGI-1's positional arguments
 and Megatron's keywords mapped onto one :func:`~wf_mesh.mesh.init_parallel`, unsupported features refused,
-Megatron's embedding groups), ``destroy_model_parallel``, and the per-process :data:`state` the accessors of
-:mod:`wf_mesh.parallel_state` read (overrides, virtual pipeline, embedding groups). Users import all of it from
+Megatron's embedding groups), ``destroy_model_parallel``, Megatron's Gloo groups (made on first request), and
+the per-process :data:`state` the accessors of :mod:`wf_mesh.parallel_state` read (overrides, virtual pipeline,
+embedding and Gloo groups; the mesh extension ``"legacy.megatron"``). Users import all of it from
 :mod:`wf_mesh.parallel_state`; see its docstring for the contract.
 """
 
@@ -18,13 +19,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from wf_mesh import _compat, agreement
-from wf_mesh.errors import DegreeError, StateError
+from wf_mesh.errors import DegreeError
+from wf_mesh.legacy.errors import LegacyStateError, asserting
 from wf_mesh.mesh import (
     ParallelMesh,
+    get_parallel_mesh,
     init_parallel,
     parallel_mesh_or_none,
-    register_destroy_hook,
-    run_destroy_hooks,
+    register_extension,
+    reset_extensions,
 )
 from wf_mesh.topology import ParallelDims, as_int
 
@@ -32,6 +35,7 @@ __all__ = [
     "DEFAULT_ORDER",
     "MEGATRON_ORDER",
     "State",
+    "data_parallel_gloo_group",
     "default_embedding_ranks",
     "default_position_embedding_ranks",
     "destroy_model_parallel",
@@ -76,6 +80,7 @@ class State:
     embedding_group: dist.ProcessGroup | None = None  # None where this rank is not a member
     position_embedding_ranks: list[int] | None = None
     position_embedding_group: dist.ProcessGroup | None = None
+    gloo_groups: dict[str, dist.ProcessGroup] | None = None  # "dp" / "dp_cp" -> gloo group, on first request
     created: list[dist.ProcessGroup] = dataclasses.field(default_factory=list)  # new_group'ed, this rank a member
 
 
@@ -185,27 +190,23 @@ def initialize_model_parallel(
         TypeError: both spellings of a degree, a callable or flag of the wrong type (this rank, at once);
             a degree that is not an int (every rank).
         NotImplementedError: an unsupported feature (this rank, at once; see the module docstring).
-        StateError (an AssertionError and a RuntimeError): torch.distributed is not initialized (this rank),
+        LegacyStateError (a StateError and an AssertionError): torch.distributed is not initialized (this rank),
             or model parallel is already initialized (every rank).
         DegreeError (a ValueError and a RuntimeError): the degrees do not fit the world size or each other,
             or virtual pipelining without pp > 1 (every rank, naming the factors and the rank(s)).
         DisagreementError: ranks passed different degrees, order, timeout, virtual size or embedding ranks.
         ValueError: an embedding-rank function returned ranks outside its pipeline (every rank).
     """
-    tp = _one_spelling("tp_size", tp_size, "tensor_model_parallel_size", tensor_model_parallel_size)
-    pp = _one_spelling("pp_size", pp_size, "pipeline_model_parallel_size", pipeline_model_parallel_size)
-    cp = _one_spelling("cp_size", cp_size, "context_parallel_size", context_parallel_size)
-    for name, fn in (
-        ("get_embedding_ranks", get_embedding_ranks),
-        ("get_position_embedding_ranks", get_position_embedding_ranks),
-    ):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be a callable f(pipeline_ranks) -> ranks or None, got {fn!r}")
-    if not isinstance(create_gloo_process_groups, bool):
-        raise TypeError(f"create_gloo_process_groups must be a bool, got {create_gloo_process_groups!r}")
+    degrees = {
+        "tp": _one_spelling("tp_size", tp_size, "tensor_model_parallel_size", tensor_model_parallel_size),
+        "pp": _one_spelling("pp_size", pp_size, "pipeline_model_parallel_size", pipeline_model_parallel_size),
+        "cp": _one_spelling("cp_size", cp_size, "context_parallel_size", context_parallel_size),
+    }
+    choosers = {"embedding": get_embedding_ranks, "position_embedding": get_position_embedding_ranks}
+    _check_callables_and_flags(choosers, create_gloo_process_groups)
     timeout = timeout_minutes(distributed_timeout_minutes)
     _refuse_unsupported(
-        _or_one(tp),
+        _or_one(degrees["tp"]),
         expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
@@ -219,45 +220,65 @@ def initialize_model_parallel(
         encoder_pipeline_model_parallel_size=encoder_pipeline_model_parallel_size,
         pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
     )
-    if isinstance(order, str):  # anything else: ParallelDims names the type
-        order = "-".join(axis for axis in order.split("-") if axis != "ep")
-    if not dist.is_initialized():
-        raise StateError(
-            "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group(...) "
-            "or wf_mesh.dist_init(config) first"
-        )
-    if pipeline_model_parallel_comm_backend not in (None, dist.get_backend()):
-        raise NotImplementedError(
-            f"initialize_model_parallel: pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r}"
-            f" is not supported: pipeline groups use the default group's backend {dist.get_backend()!r}"
-        )
-    nccl_config = None
-    if nccl_communicator_config_path is not None:
-        nccl_config = load_nccl_communicator_config(nccl_communicator_config_path)
-        if dist.get_backend() != "nccl":
-            warnings.warn(
-                f"nccl_communicator_config_path={nccl_communicator_config_path!r} ignored: "
-                f"backend is {dist.get_backend()!r}, not 'nccl'",
-                stacklevel=2,
-            )
-            nccl_config = None
-
+    _require_distributed(pipeline_model_parallel_comm_backend)
+    nccl_config = _nccl_config(nccl_communicator_config_path)
     plan = _agree_on_plan(
-        (tp, cp, pp),
-        order,
-        virtual_pipeline_model_parallel_size,
-        {"embedding": get_embedding_ranks, "position_embedding": get_position_embedding_ranks},
-        create_gloo_process_groups,
+        degrees, _without_ep(order), virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups
     )
-    mesh = init_parallel(plan["dims"], timeout=timeout, nccl_config=nccl_config)
+    with asserting():
+        mesh = init_parallel(plan.dims, timeout=timeout, nccl_config=nccl_config)
     try:
-        _build_embedding_groups(mesh, plan["embedding_ranks"])
+        _build_embedding_groups(mesh, plan.embedding_ranks)
     except BaseException:
         destroy_model_parallel()
         raise
     state.gloo = create_gloo_process_groups
-    if plan["vpp"] is not None:
-        state.vpp_world_size, state.vpp_rank = plan["vpp"], 0
+    if plan.vpp is not None:
+        state.vpp_world_size, state.vpp_rank = plan.vpp, 0
+
+
+def _check_callables_and_flags(choosers: dict[str, object], create_gloo_process_groups: object) -> None:
+    """TypeError for an embedding-rank chooser that is not callable or a gloo flag that is not a bool."""
+    for kind, fn in choosers.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"get_{kind}_ranks must be a callable f(pipeline_ranks) -> ranks or None, got {fn!r}")
+    if not isinstance(create_gloo_process_groups, bool):
+        raise TypeError(f"create_gloo_process_groups must be a bool, got {create_gloo_process_groups!r}")
+
+
+def _without_ep(order: str) -> str:
+    """Megatron's order with its ``ep`` dropped (anything but a str: ParallelDims names the type)."""
+    if not isinstance(order, str):
+        return order
+    return "-".join(axis for axis in order.split("-") if axis != "ep")
+
+
+def _require_distributed(pipeline_backend: str | None) -> None:
+    """LegacyStateError without torch.distributed; NotImplementedError for a pipeline backend of its own."""
+    if not dist.is_initialized():
+        raise LegacyStateError(
+            "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group(...) "
+            "or wf_mesh.dist_init(config) first"
+        )
+    if pipeline_backend not in (None, dist.get_backend()):
+        raise NotImplementedError(
+            f"initialize_model_parallel: pipeline_model_parallel_comm_backend={pipeline_backend!r}"
+            f" is not supported: pipeline groups use the default group's backend {dist.get_backend()!r}"
+        )
+
+
+def _nccl_config(path: str | None) -> dict[str, dict[str, int]] | None:
+    """The communicator YAML at ``path`` keyed by axis; None (with a warning) when the backend is not NCCL."""
+    if path is None:
+        return None
+    config = load_nccl_communicator_config(path)
+    if dist.get_backend() != "nccl":
+        warnings.warn(
+            f"nccl_communicator_config_path={path!r} ignored: backend is {dist.get_backend()!r}, not 'nccl'",
+            stacklevel=3,
+        )
+        return None
+    return config
 
 
 def _one_spelling(short: str, short_value: int | None, long: str, long_value: int | None) -> int | None:
@@ -361,20 +382,32 @@ def _refuse_unsupported(
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _PlanFacts(agreement.Facts):
+    """What :func:`initialize_model_parallel` agrees on besides the mesh (which ``init_parallel`` agrees on)."""
+
+    vpp: int | None = agreement.fact(label="virtual_pipeline_model_parallel_size")
+    embedding_crc: int = agreement.fact(label="embedding ranks")
+    position_embedding_crc: int = agreement.fact(label="position embedding ranks")
+    gloo: bool = agreement.fact(label="create_gloo_process_groups")
+    dims: ParallelDims = agreement.fact(local=True)
+    embedding_ranks: dict = agreement.fact(local=True)  # kind -> each pipeline's (position-)embedding ranks
+
+
 def _agree_on_plan(
-    degrees: tuple[int | None, int | None, int | None],
+    degrees: dict[str, int | None],
     order: str,
     vpp: int | None,
     choosers: dict[str, Callable[[list[int]], list[int]] | None],
     gloo: bool,
-) -> dict:
+) -> _PlanFacts:
     """Judge the degrees (ParallelDims), the virtual size and the embedding ranks on every rank and agree on
-    them (one all-gather): every rank gets the same verdict. Returns the dims, vpp and embedding ranks."""
-    tp, cp, pp = (_or_one(d) for d in degrees)
-    world_size, plan = dist.get_world_size(), {}
+    them (one all-gather): every rank gets the same verdict. Returns this rank's plan."""
+    tp, pp, cp = (_or_one(degrees[axis]) for axis in ("tp", "pp", "cp"))
+    world_size = dist.get_world_size()
     defaults = {"embedding": default_embedding_ranks, "position_embedding": default_position_embedding_ranks}
 
-    def facts() -> list[int]:
+    def facts() -> _PlanFacts:
         dims = ParallelDims(tp=tp, cp=cp, pp=pp, order=order).resolve(world_size)
         size = None if vpp is None else as_int("virtual_pipeline_model_parallel_size", vpp, minimum=1)
         if size is not None and dims.pp == 1:
@@ -385,21 +418,26 @@ def _agree_on_plan(
         ranks = {
             kind: _embedding_plan(dims, choosers[kind] or defaults[kind], f"get_{kind}_ranks") for kind in defaults
         }
-        plan.update(dims=dims, vpp=size, embedding_ranks=ranks)
-        return [size or 0, _crc(ranks["embedding"]), _crc(ranks["position_embedding"]), int(gloo)]
+        return _PlanFacts(
+            vpp=size,
+            embedding_crc=_crc(ranks["embedding"]),
+            position_embedding_crc=_crc(ranks["position_embedding"]),
+            gloo=gloo,
+            dims=dims,
+            embedding_ranks=ranks,
+        )
 
     agreed = agreement.agree(dist.group.WORLD, facts, what="initialize_model_parallel", required=True)
-    renders = {
-        "virtual_pipeline_model_parallel_size": lambda v: v or None,
-        "embedding ranks": lambda v: f"crc {v:08x}",
-        "position embedding ranks": lambda v: f"crc {v:08x}",
-        "create_gloo_process_groups": bool,
-    }
-    for i, (label, render) in enumerate(renders.items()):
+    hint = "; every rank must pass the same arguments"
+    agreed.require_same("vpp", hint=hint)
+    for kind in defaults:
         agreed.require_same(
-            label, lambda row, i=i, render=render: render(row[i]), hint="; every rank must pass the same arguments"
+            key=lambda r, kind=kind: f"crc {getattr(r, f'{kind}_crc'):08x}",
+            label=_PlanFacts.label(f"{kind}_crc"),
+            hint=hint,
         )
-    return plan
+    agreed.require_same("gloo", hint=hint)
+    return agreed.mine
 
 
 def _crc(value: object) -> int:
@@ -454,12 +492,50 @@ def destroy_model_parallel(destroy_process_groups: bool = True) -> None:
     if mesh is not None:
         mesh.destroy(destroy_process_groups)
     else:
-        run_destroy_hooks(destroy_process_groups)
+        reset_extensions(destroy_process_groups)
+
+
+def data_parallel_gloo_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """This rank's Gloo group over the ranks of its dp (``with_context_parallel``: dp x cp) group, for CPU-side
+    work (Megatron's ``get_data_parallel_group_gloo``).
+
+    The Gloo groups (dp and dp x cp at once) are created on the first request after the mesh was built and
+    destroyed with it. Creating groups is collective over the whole world: every rank must make that first
+    call (of either kind), as every rank does in Megatron, where they are built at initialization.
+
+    Raises:
+        LegacyNotInitializedError: model parallel is not initialized.
+        LegacyStateError: initialize_model_parallel was called with ``create_gloo_process_groups=False``.
+    """
+    with asserting():
+        mesh = get_parallel_mesh()
+    if not state.gloo:
+        raise LegacyStateError(
+            "no Gloo groups: initialize_model_parallel was called with create_gloo_process_groups=False"
+        )
+    if state.gloo_groups is None:
+        state.gloo_groups = _build_gloo_groups(mesh)
+    return state.gloo_groups["dp_cp" if with_context_parallel else "dp"]
+
+
+def _build_gloo_groups(mesh: ParallelMesh) -> dict[str, dist.ProcessGroup]:
+    """Every dp and dp x cp group again on Gloo (every rank creates all of them, in the same order)."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for axis in ("dp", "dp_cp"):
+        if axis == "dp_cp" and mesh.dims.cp == 1:  # the same ranks as dp
+            mine[axis] = mine["dp"]
+            continue
+        for ranks in mesh.dims.iter_groups(axis):
+            group = dist.new_group(ranks, timeout=mesh.timeout, backend="gloo")
+            if mesh.global_rank in ranks:
+                mine[axis] = group
+                state.created.append(group)
+    return mine
 
 
 def _reset(destroy_process_groups: bool) -> None:
-    """Destroy hook: forget the overrides, the virtual pipeline and the embedding groups (destroying those
-    this module created)."""
+    """Forget the overrides, the virtual pipeline, the embedding and Gloo groups (destroying the groups this
+    module created)."""
     global state
     created, state = state.created, State()
     if destroy_process_groups and dist.is_initialized():
@@ -467,4 +543,4 @@ def _reset(destroy_process_groups: bool) -> None:
             dist.destroy_process_group(group)
 
 
-register_destroy_hook(_reset)
+register_extension("legacy.megatron", _reset)

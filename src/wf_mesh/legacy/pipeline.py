@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from wf_mesh.errors import PipelineStateError
-from wf_mesh.mesh import ParallelMesh, register_destroy_hook
+from wf_mesh.legacy.errors import PipelineStateError, asserting
+from wf_mesh.mesh import ParallelMesh, register_extension
 from wf_mesh.pipeline import P2PWork, PendingRecv, PipelineP2P
 
 __all__ = ["PPScheduler", "init_pp_scheduler", "pp_scheduler", "pp_scheduler_or_none"]
@@ -80,8 +80,8 @@ def init_pp_scheduler() -> PPScheduler:
     """Create the process-wide :class:`PPScheduler` on the current mesh's pp axis and return it.
 
     Raises:
-        PipelineStateError: it already exists (destroy_model_parallel() resets it).
-        NotInitializedError: model parallel is not initialized.
+        PipelineStateError (an AssertionError): it already exists (destroy_model_parallel() resets it).
+        LegacyNotInitializedError (an AssertionError): model parallel is not initialized.
     """
     global _scheduler
     if _scheduler is not None:
@@ -89,7 +89,8 @@ def init_pp_scheduler() -> PPScheduler:
             f"init_pp_scheduler: the PP scheduler is already initialized ({_scheduler!r}); "
             "call wf_mesh.destroy_model_parallel() before initializing again"
         )
-    _scheduler = PPScheduler()
+    with asserting():
+        _scheduler = PPScheduler()
     return _scheduler
 
 
@@ -110,7 +111,7 @@ def pp_scheduler_or_none() -> PPScheduler | None:
 
 def _reset(destroy_process_groups: bool) -> None:
     global _scheduler
-    _scheduler = None
+    _scheduler = None  # it uses the mesh's pp group: nothing of its own to destroy
 
 
-register_destroy_hook(_reset)
+register_extension("legacy.pp_scheduler", _reset)
