@@ -79,7 +79,6 @@ _TYPES: tuple[type[BaseException], ...] = (
     errors.DisagreementError,
     errors.IndivisibleSequenceError,
     errors.NotInitializedError,
-    errors.PipelineStateError,
     errors.StateError,
     errors.DegreeError,
     IndexError,
@@ -339,6 +338,10 @@ class Agreed(Generic[F]):
         """
         if self.rows is None:
             return
+        if len(names) == 2 and callable(names[1]):  # transition: the int-list call sites' (label, value)
+            names, key, label = (), names[1], names[0]
+        elif len(names) == 1 and self.rows and not isinstance(self.rows[0], Facts) and key is None:
+            names, key, label = (), (lambda row: row), names[0]
         if key is None:
             if not names:
                 raise TypeError("require_same needs field names or a key")
