@@ -439,3 +439,98 @@ def test_initialize_raises_runtime_error_on_every_rank(kwargs, message):
     for error in errors:
         assert type(error) is DegreeError and isinstance(error, RuntimeError)
         assert str(error) == message
+
+
+# ---- Megatron's module globals (what test_initialize_and_destroy_model_parallel and callers read) -----
+GROUP_GLOBALS = {  # global -> the axes of its group (None: not a mesh axis)
+    "_MODEL_PARALLEL_GROUP": ("tp", "pp"),
+    "_TENSOR_MODEL_PARALLEL_GROUP": ("tp",),
+    "_PIPELINE_MODEL_PARALLEL_GROUP": ("pp",),
+    "_DATA_PARALLEL_GROUP": ("dp",),
+    "_DATA_PARALLEL_GROUP_WITH_CP": ("dp", "cp"),
+    "_CONTEXT_PARALLEL_GROUP": ("cp",),
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": ("tp", "cp"),
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": ("tp", "dp"),
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": ("tp", "dp", "cp"),
+}
+RANK_GLOBALS = {
+    "_MODEL_PARALLEL_GLOBAL_RANKS": ("tp", "pp"),
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": ("tp",),
+    "_PIPELINE_GLOBAL_RANKS": ("pp",),
+    "_DATA_PARALLEL_GLOBAL_RANKS": ("dp",),
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": ("dp", "cp"),
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": ("cp",),
+}
+
+
+def read_globals():
+    return {name: getattr(ps, name) for name in ps.MEGATRON_GLOBALS}
+
+
+def globals_report(tp, cp, pp, order):
+    out = {"before": read_globals()}
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp, order=order
+    )
+    from wf_mesh.parallel_state import _MODEL_PARALLEL_GROUP  # a from-import reads it live too
+
+    live = read_globals()
+    out["from_import"] = _MODEL_PARALLEL_GROUP is ps.get_model_parallel_group()
+    out["groups"] = {name: _ranks(live[name]) for name in GROUP_GLOBALS}
+    out["sums"] = {name: _live_sum(live[name]) for name in GROUP_GLOBALS}
+    out["same_as_getters"] = (
+        live["_TENSOR_MODEL_PARALLEL_GROUP"] is ps.get_tensor_model_parallel_group(),
+        live["_DATA_PARALLEL_GROUP_WITH_CP"] is ps.get_data_parallel_group(with_context_parallel=True),
+        live["_EMBEDDING_GROUP"] is ps.get_embedding_group(check_initialized=False),
+    )
+    out["ranks"] = {name: live[name] for name in RANK_GLOBALS}
+    out["embedding"] = (_ranks(live["_EMBEDDING_GROUP"]), live["_EMBEDDING_GLOBAL_RANKS"])
+    out["position"] = (_ranks(live["_POSITION_EMBEDDING_GROUP"]), live["_POSITION_EMBEDDING_GLOBAL_RANKS"])
+    out["gloo_before_request"] = (live["_DATA_PARALLEL_GROUP_GLOO"], live["_DATA_PARALLEL_GROUP_WITH_CP_GLOO"])
+    ps.get_data_parallel_group_gloo()
+    out["gloo"] = (_ranks(ps._DATA_PARALLEL_GROUP_GLOO), _ranks(ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO))
+    ps.set_tensor_model_parallel_world_size(3)
+    ps.set_pipeline_model_parallel_rank(0)
+    out["overrides"] = (
+        ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE,
+        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK,
+        ps._MPU_TENSOR_MODEL_PARALLEL_RANK,
+        ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE,
+    )
+    ps.destroy_model_parallel()
+    out["after"] = read_globals()
+    return out
+
+
+def test_module_globals_read_the_live_groups():
+    """Megatron's test_initialize_and_destroy_model_parallel reads ``_MODEL_PARALLEL_GROUP`` and its siblings:
+    the live groups after initialize, None before it and after destroy."""
+    tp, cp, pp, order = 1, 2, 2, ps.MEGATRON_ORDER
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "ep": 1, "dp": WORLD // (tp * cp * pp)}
+    nothing = dict.fromkeys(ps.MEGATRON_GLOBALS)
+    assert set(GROUP_GLOBALS) | set(RANK_GLOBALS) < set(ps.MEGATRON_GLOBALS)
+    for rank, got in enumerate(run_distributed(WORLD, globals_report, tp, cp, pp, order)):
+
+        def g(*axes, rank=rank):
+            return ref_group(rank, order, sizes, *axes)
+
+        assert got["before"] == nothing and got["after"] == nothing
+        assert got["from_import"] and got["same_as_getters"] == (True, True, True)
+        assert got["groups"] == {name: g(*axes) for name, axes in GROUP_GLOBALS.items()}
+        assert got["sums"] == {name: sum(g(*axes)) for name, axes in GROUP_GLOBALS.items()}
+        assert got["ranks"] == {name: g(*axes) for name, axes in RANK_GLOBALS.items()}
+        pipeline = g("pp")
+        embedding = [pipeline[0], pipeline[-1]]
+        assert got["embedding"] == ((embedding if rank in embedding else None), embedding)
+        assert got["position"] == (([rank] if rank == pipeline[0] else None), [pipeline[0]])
+        assert got["gloo_before_request"] == (None, None)
+        assert got["gloo"] == (g("dp"), g("dp", "cp"))
+        assert got["overrides"] == (3, 0, None, None)
+
+
+def test_module_globals_without_torch_distributed():
+    assert not dist.is_initialized()
+    assert read_globals() == dict.fromkeys(ps.MEGATRON_GLOBALS)
+    assert "_MODEL_PARALLEL_GROUP" in dir(ps)
+    with pytest.raises(AttributeError, match="has no attribute '_NO_SUCH_GROUP'"):
+        ps._NO_SUCH_GROUP  # noqa: B018

@@ -448,3 +448,80 @@ def test_communicator_config_parsing(tmp_path):
     bad.write_text("- tp\n")
     with pytest.raises(ValueError, match="must map group names to options, got list"):
         ps.load_nccl_communicator_config(bad)
+
+
+# ---- the mesh extension point ------------------------------------------------------------------------------
+LEGACY_EXTENSIONS = {"legacy.context_parallel", "legacy.megatron", "legacy.pp_scheduler", "legacy.hsdp_meshes"}
+
+
+def test_legacy_state_is_listed_as_named_mesh_extensions():
+    import wf_mesh.legacy.fsdp  # noqa: F401 - every legacy module that keeps state, imported
+    from wf_mesh import mesh
+
+    assert LEGACY_EXTENSIONS <= set(mesh.extensions())
+    calls = []
+    mesh.register_extension("test.probe", calls.append)
+    try:
+        assert mesh.extensions()[-1] == "test.probe"
+        ps.destroy_model_parallel()  # no mesh: every extension is reset all the same
+        ps.destroy_model_parallel(destroy_process_groups=False)
+        assert calls == [True, False]
+    finally:
+        mesh.register_extension("test.probe", lambda destroy_process_groups: None)
+
+
+def extension_resets_on_destroy():
+    """Each legacy extension holds state after use and none after the mesh is destroyed."""
+    from wf_mesh.legacy import context_parallel, fsdp, model_parallel, pipeline
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    wf_mesh.find_split((1, 16, 24, 88, 160), 16)
+    context_parallel.mesh_for_group(ps.get_dp_group())  # not the cp group: a mesh of its own, cached
+    fsdp.hsdp_device_mesh(2, 2)
+    pipeline.init_pp_scheduler()
+    ps.set_tensor_model_parallel_rank(1)
+
+    def held():
+        return (
+            context_parallel.state.cp_size_t,
+            len(context_parallel.state.group_meshes),
+            len(fsdp._meshes),
+            pipeline.pp_scheduler_or_none() is not None,
+            model_parallel.state.tp_rank,
+        )
+
+    used = held()
+    wf_mesh.get_parallel_mesh().destroy()  # the native destroy resets the legacy state too
+    return used, held()
+
+
+def test_extensions_reset_with_the_mesh():
+    for used, after in run_distributed(WORLD, extension_resets_on_destroy):
+        assert used == (8, 1, 1, True, 1)
+        assert after == (None, 0, 0, False, None)
+
+
+# ---- the legacy AssertionError contract ------------------------------------------------------------------
+def test_native_errors_are_not_assertions_and_legacy_ones_are_both():
+    from wf_mesh import errors
+    from wf_mesh.legacy import errors as legacy
+
+    assert [name for name in errors.__all__ if issubclass(getattr(errors, name), AssertionError)] == []
+    pairs = {
+        legacy.LegacyStateError: errors.StateError,
+        legacy.LegacyNotInitializedError: errors.NotInitializedError,
+        legacy.PipelineStateError: errors.StateError,
+        legacy.LegacyIndivisibleSequenceError: errors.IndivisibleSequenceError,
+    }
+    for legacy_type, native in pairs.items():
+        assert issubclass(legacy_type, native) and issubclass(legacy_type, AssertionError)
+    for native, expected in [
+        (errors.NotInitializedError, legacy.LegacyNotInitializedError),
+        (errors.StateError, legacy.LegacyStateError),
+        (errors.IndivisibleSequenceError, legacy.LegacyIndivisibleSequenceError),
+    ]:
+        with pytest.raises(AssertionError) as caught, legacy.asserting():
+            raise native("the message")
+        assert type(caught.value) is expected and str(caught.value) == "the message"
+    with pytest.raises(KeyError), legacy.asserting():  # anything else passes through
+        raise KeyError("x")

@@ -236,6 +236,11 @@ def split_inputs_cp_object_list(object_list: list, cp_group: dist.ProcessGroup |
     return object_list[start:stop]
 
 
+@dataclasses.dataclass(frozen=True)
+class _ObjectListFacts(agreement.Facts):
+    length: int = agreement.fact(label="list length")  # may differ: validation only, every rank passed a list
+
+
 def cat_outputs_cp_object_list(
     object_list: list, cp_group: dist.ProcessGroup | None = None, *, allow_pickle: bool | None = None
 ) -> list:
@@ -251,7 +256,7 @@ def cat_outputs_cp_object_list(
         return object_list
     pickle_ok = pickle_allowed(allow_pickle)
 
-    def facts() -> list[int]:
+    def facts() -> _ObjectListFacts:
         if not isinstance(object_list, (list, tuple)):
             raise TypeError(f"object_list must be a list or tuple, got {type(object_list).__name__}")
         if not pickle_ok:
@@ -259,7 +264,7 @@ def cat_outputs_cp_object_list(
                 "the objects travel pickled and pickle is off on this rank (allow_pickle=False or "
                 "WF_MESH_ALLOW_PICKLE=0)"
             )
-        return [len(object_list)]
+        return _ObjectListFacts(length=len(object_list))
 
     agreement.agree(cp_group, facts, what="cat_outputs_cp_object_list", required=True)
     gathered: list = [None] * dist.get_world_size(cp_group)

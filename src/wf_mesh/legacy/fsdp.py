@@ -13,6 +13,8 @@ without a current mesh.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -81,6 +83,13 @@ def _device_type(device: str | torch.device | None) -> str:
     return kind
 
 
+@dataclasses.dataclass(frozen=True)
+class _HsdpFacts(agreement.Facts):
+    replicas: int
+    shard: int = agreement.fact(label="shard size")
+    device: str = agreement.fact(choices=_DEVICE_TYPES)
+
+
 def hsdp_device_mesh(
     replica_group_size: int | None = None,
     sharding_group_size: int | None = None,
@@ -104,21 +113,14 @@ def hsdp_device_mesh(
             "torch.distributed.init_process_group(...) first"
         )
     world = dist.get_world_size()
-    resolved: list = []
 
-    def facts() -> list[int]:
+    def facts() -> _HsdpFacts:
         replicas, shard = hsdp_sizes(world, replica_group_size, sharding_group_size)
-        kind = _device_type(device)
-        resolved[:] = [replicas, shard, kind]
-        return [replicas, shard, _DEVICE_TYPES.index(kind)]
+        return _HsdpFacts(replicas=replicas, shard=shard, device=_device_type(device))
 
     agreed = agreement.agree(dist.group.WORLD, facts, what="hsdp_device_mesh", required=True)
-    agreed.require_same(
-        "(replicas, shard size, device)",
-        lambda row: (row[0], row[1], _DEVICE_TYPES[row[2]]),
-        hint="; every rank must pass the same arguments",
-    )
-    replicas, shard, kind = resolved
+    agreed.require_same("replicas", "shard", "device", hint="; every rank must pass the same arguments")
+    replicas, shard, kind = agreed.mine.replicas, agreed.mine.shard, agreed.mine.device
     grid = hsdp_rank_grid(replicas, shard)
     current = parallel_mesh_or_none()
     if current is not None and current.hsdp_enabled:

@@ -7,6 +7,7 @@ the function. With it, ``rank0_first`` is collective over the default group (eve
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -108,6 +109,13 @@ def rank0_only(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rank0Result(agreement.Facts):
+    """Nothing travels but the verdict (did rank 0's call raise?); rank 0 keeps its result."""
+
+    value: object = agreement.fact(local=True)
+
+
 def rank0_first(func: F) -> F:
     """Decorator: global rank 0 runs ``func`` first; the other ranks run it once rank 0 has returned (e.g. rank
     0 downloads or builds a cache, the others then read it). Every rank returns its own result.
@@ -125,24 +133,24 @@ def rank0_first(func: F) -> F:
         if get_world_size() == 1:
             return func(*args, **kwargs)
         first = is_rank0()
-        result: list[Any] = []
-        failure: list[BaseException] = []
+        original: BaseException | None = None  # rank 0's own exception, to chain the agreed one to it
 
-        def facts() -> list[int]:
-            if first:
-                try:
-                    result.append(func(*args, **kwargs))
-                except BaseException as exc:
-                    failure.append(exc)
-                    raise
-            return []
+        def facts() -> _Rank0Result:
+            nonlocal original
+            if not first:
+                return _Rank0Result(value=None)
+            try:
+                return _Rank0Result(value=func(*args, **kwargs))
+            except BaseException as exc:
+                original = exc
+                raise
 
         try:
-            agreement.agree(dist.group.WORLD, facts, what=what, required=True)
+            agreed = agreement.agree(dist.group.WORLD, facts, what=what, required=True)
         except Exception as reported:
-            if failure:
-                raise reported from failure[0]
+            if original is not None:
+                raise reported from original
             raise
-        return result[0] if first else func(*args, **kwargs)
+        return agreed.mine.value if first else func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
