@@ -7,12 +7,17 @@ such as ``[rank 5 tp1 cp0 pp1 dp0]`` so plain terminal sinks show it too.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from loguru import logger
 
+if TYPE_CHECKING:
+    from loguru import Logger
+
 from wf_mesh.mesh import parallel_mesh_or_none
 
-__all__ = ["logger", "print_per_rank", "print_rank_0", "rank_tag"]
+__all__ = ["logger", "print_per_rank", "print_rank_0", "rank_logger", "rank_tag"]
 
 
 def rank_tag() -> str:
@@ -24,14 +29,20 @@ def rank_tag() -> str:
     return f"[rank {dist.get_rank()}{coords}]"
 
 
-def _log(message: object) -> None:
+def rank_logger() -> Logger:
+    """loguru's logger for this process, now: records bound with ``rank`` and ``coords``, messages prefixed with
+    :func:`rank_tag` (after loguru formatted them, so braces in the tag never meet ``str.format``)."""
     mesh = parallel_mesh_or_none()
-    rank = dist.get_rank() if dist.is_initialized() else None
+    bound = logger.bind(rank=dist.get_rank() if dist.is_initialized() else None, coords=mesh.coords() if mesh else None)
     tag = rank_tag()
-    # depth=2: attribute the record to the caller of print_rank_0 / print_per_rank.
-    logger.bind(rank=rank, coords=mesh.coords() if mesh else None).opt(depth=2).info(
-        "{}{}", f"{tag} " if tag else "", message
-    )
+    if not tag:
+        return bound
+    return bound.patch(lambda record: record.update(message=f"{tag} {record['message']}"))
+
+
+def _log(message: object) -> None:
+    # depth=2: attribute the record to the caller of print_rank_0 / print_per_rank; "{}": message is not a format
+    rank_logger().opt(depth=2).info("{}", message)
 
 
 def print_rank_0(message: object) -> None:

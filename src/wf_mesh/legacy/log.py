@@ -13,8 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from loguru import logger
 
-from wf_mesh.log import rank_tag
-from wf_mesh.mesh import parallel_mesh_or_none
+from wf_mesh.log import rank_logger
 
 __all__ = ["RankAwareLog", "log"]
 
@@ -25,15 +24,11 @@ class RankAwareLog:
     logger = logger
 
     def _write(self, level: str, message: object, args: tuple, kwargs: dict, rank0_only: bool) -> None:
-        distributed = dist.is_initialized()
-        if rank0_only and distributed and dist.get_rank() != 0:
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return
-        mesh = parallel_mesh_or_none()
-        tag = rank_tag()
-        bound = logger.bind(rank=dist.get_rank() if distributed else None, coords=mesh.coords() if mesh else None)
-        # depth=2: the record names the caller of log.info (not _write / info); the tag has no braces, so
-        # loguru's "{}" formatting of args still applies to the message alone.
-        getattr(bound.opt(depth=2), level)(f"{tag} {message}" if tag else message, *args, **kwargs)
+        # depth=2: the record names the caller of log.info (not _write / info); loguru's "{}" formatting of
+        # args applies to the message alone (the rank tag is added after it).
+        getattr(rank_logger().opt(depth=2), level)(message, *args, **kwargs)
 
     def debug(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
         self._write("debug", message, args, kwargs, rank0_only)
