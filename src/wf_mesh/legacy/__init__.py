@@ -2,9 +2,12 @@
 
 Everything here maps legacy arguments (ProcessGroups, ``None`` meaning "parallelism off", two-model EMA,
 config objects) onto the native API, and owns the legacy process-wide state (the PP scheduler singleton,
-cached group meshes, ``parallel_state.cp_size_t``). Native modules never import it. The 20 legacy names are
-re-exported from :mod:`wf_mesh`; the Megatron / MAGI accessors live in :mod:`wf_mesh.parallel_state`, and
-:mod:`wf_mesh.compat.worldfoundry` mirrors the original module tree for drop-in imports.
+cached group meshes, ``cp_size_t``, Megatron's overrides and groups, HSDP meshes), each registered with the mesh
+as a named extension (:func:`wf_mesh.mesh.register_extension`) so that destroying the mesh resets it. Native
+modules never import it, and it never imports the faces above it: the 20 legacy names are re-exported from
+:mod:`wf_mesh`, the Megatron / MAGI accessors live in :mod:`wf_mesh.parallel_state`, and
+:mod:`wf_mesh.compat.worldfoundry` mirrors the original module tree for drop-in imports. The legacy
+AssertionError contract is :mod:`wf_mesh.legacy.errors`.
 """
 
 from wf_mesh.legacy.context_parallel import (
