@@ -472,10 +472,12 @@ def globals_report(tp, cp, pp, order):
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp, order=order
     )
+    from wf_mesh.compat.worldfoundry import model_parallel_groups
     from wf_mesh.parallel_state import _MODEL_PARALLEL_GROUP  # a from-import reads it live too
 
     live = read_globals()
     out["from_import"] = _MODEL_PARALLEL_GROUP is ps.get_model_parallel_group()
+    out["compat"] = model_parallel_groups._CONTEXT_PARALLEL_GROUP is ps.get_context_parallel_group()
     out["groups"] = {name: _ranks(live[name]) for name in GROUP_GLOBALS}
     out["sums"] = {name: _live_sum(live[name]) for name in GROUP_GLOBALS}
     out["same_as_getters"] = (
@@ -515,7 +517,7 @@ def test_module_globals_read_the_live_groups():
             return ref_group(rank, order, sizes, *axes)
 
         assert got["before"] == nothing and got["after"] == nothing
-        assert got["from_import"] and got["same_as_getters"] == (True, True, True)
+        assert got["from_import"] and got["compat"] and got["same_as_getters"] == (True, True, True)
         assert got["groups"] == {name: g(*axes) for name, axes in GROUP_GLOBALS.items()}
         assert got["sums"] == {name: sum(g(*axes)) for name, axes in GROUP_GLOBALS.items()}
         assert got["ranks"] == {name: g(*axes) for name, axes in RANK_GLOBALS.items()}

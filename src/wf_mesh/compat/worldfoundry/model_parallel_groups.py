@@ -5,3 +5,6 @@ from wf_mesh import parallel_state as _parallel_state
 from wf_mesh.parallel_state import *  # noqa: F403 - the accessors, exactly parallel_state.__all__
 
 __all__ = list(_parallel_state.__all__)
+
+# Megatron's module globals (``_TENSOR_MODEL_PARALLEL_GROUP``, ...) read live here too (PEP 562)
+__getattr__ = _parallel_state.__getattr__
