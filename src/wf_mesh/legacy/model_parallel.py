@@ -225,16 +225,9 @@ def initialize_model_parallel(
     plan = _agree_on_plan(
         degrees, _without_ep(order), virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups
     )
-    with asserting():
+    with asserting():  # "already initialized" is Megatron's AssertionError
         mesh = init_parallel(plan.dims, timeout=timeout, nccl_config=nccl_config)
-    try:
-        _build_embedding_groups(mesh, plan.embedding_ranks)
-    except BaseException:
-        destroy_model_parallel()
-        raise
-    state.gloo = create_gloo_process_groups
-    if plan.vpp is not None:
-        state.vpp_world_size, state.vpp_rank = plan.vpp, 0
+    _record_plan(mesh, plan)
 
 
 def _check_callables_and_flags(choosers: dict[str, object], create_gloo_process_groups: object) -> None:
@@ -456,6 +449,19 @@ def _embedding_plan(dims: ParallelDims, choose: Callable[[list[int]], list[int]]
             )
         plan.append(ranks)
     return plan
+
+
+def _record_plan(mesh: ParallelMesh, plan: _PlanFacts) -> None:
+    """The legacy state of a new mesh: embedding groups (the mesh is destroyed if building them fails), the
+    Gloo switch and the virtual pipeline."""
+    try:
+        _build_embedding_groups(mesh, plan.embedding_ranks)
+    except BaseException:
+        destroy_model_parallel()
+        raise
+    state.gloo = plan.gloo
+    if plan.vpp is not None:
+        state.vpp_world_size, state.vpp_rank = plan.vpp, 0
 
 
 def _build_embedding_groups(mesh: ParallelMesh, plans: dict[str, list[list[int]]]) -> None:
