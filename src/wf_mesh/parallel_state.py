@@ -34,9 +34,9 @@ other than the default group's (UCC), and older Megatron's encoder pipeline (``e
 
 Megatron semantics kept: group getters take ``check_initialized`` (``False``: None instead of an error when
 nothing is initialized) and raise :class:`~wf_mesh.legacy.errors.LegacyNotInitializedError` (a
-NotInitializedError, a RuntimeError and an AssertionError) before initialization; ``set_{tensor,pipeline}_model_parallel_{world_size,rank}`` override the
-getters (and the first/last/next/prev pipeline ranks computed from them) until reset with None or until
-:func:`destroy_model_parallel`; next/prev pipeline ranks wrap around (the pipeline is a ring);
+NotInitializedError, a RuntimeError and an AssertionError) before initialization;
+``set_{tensor,pipeline}_model_parallel_{world_size,rank}`` override the getters (and the first/last/next/prev
+pipeline ranks computed from them) until reset with None or until :func:`destroy_model_parallel`; next/prev pipeline ranks wrap around (the pipeline is a ring);
 ``is_pipeline_first_stage(ignore_virtual=False)`` judges the virtual stage ``vp_stage`` (or, when it is None,
 the virtual rank set with :func:`set_virtual_pipeline_model_parallel_rank`, as older Megatron did).
 The overrides apply to the MAGI-1 short names too (``get_tp_world_size`` is ``get_tensor_model_parallel_world_size``).
