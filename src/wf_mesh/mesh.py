@@ -237,7 +237,7 @@ class ParallelMesh:
 def _members(axis: str) -> set[str]:
     try:
         return set(parse_axes(axis))
-    except ValueError:  # "replicate", "shard", "dp_gloo": names, not tokens
+    except ValueError:  # "replicate", "shard": names, not tokens
         return set()
 
 
