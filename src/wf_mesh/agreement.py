@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+import types
 import typing
 import zlib
 from collections.abc import Callable, Sequence
@@ -158,13 +159,29 @@ def _one(to_int: Callable[[object], int], from_int: Callable[[int], object]) -> 
     return (lambda v: [to_int(v)]), (lambda s: (from_int(s[0]), s[1:]))
 
 
-def _optional_int_encode(value: object) -> list[int]:
-    return [0, 0] if value is None else [1, int(value)]  # type: ignore[call-overload]
-
-
 def _tuple_encode(value: object) -> list[int]:
     values = [int(v) for v in value]  # type: ignore[attr-defined]
     return [len(values), *values]
+
+
+_KINDS: dict[object, tuple[str, Callable, Callable]] = {
+    bool: ("bool", *_one(lambda v: int(bool(v)), bool)),
+    int: ("int", *_one(int, int)),  # type: ignore[arg-type]
+    float: ("float", *_one(float_bits, bits_float)),  # type: ignore[arg-type]
+    torch.dtype: ("dtype", *_one(dtype_code, lambda i: DTYPES[i])),  # type: ignore[arg-type]
+    tuple[int, ...]: ("tuple[int, ...]", _tuple_encode, lambda s: (tuple(s[1 : 1 + s[0]]), s[1 + s[0] :])),
+}
+KINDS = "bool, int, float, torch.dtype, tuple[int, ...], any of these | None, or a fact() with choices"
+"""What a wire field may be (for messages)."""
+
+
+def _optional(inner: _Kind) -> _Kind:
+    """``inner | None``: a presence slot, then the value's slots when present."""
+
+    def decode(slots: list[int]) -> tuple[object, list[int]]:
+        return (None, slots[1:]) if not slots[0] else inner.decode(slots[1:])
+
+    return _Kind(f"{inner.name} | None", lambda v: [0] if v is None else [1, *inner.encode(v)], decode)
 
 
 def _kind_of(annotation: object, choices: Sequence[object] | None) -> _Kind:
@@ -177,23 +194,23 @@ def _kind_of(annotation: object, choices: Sequence[object] | None) -> _Kind:
             return options.index(v)
 
         return _Kind("choice", *_one(to_index, lambda i: options[i]))
-    kinds = {
-        bool: ("bool", *_one(lambda v: int(bool(v)), bool)),
-        int: ("int", *_one(int, int)),  # type: ignore[arg-type]
-        float: ("float", *_one(float_bits, bits_float)),  # type: ignore[arg-type]
-        torch.dtype: ("dtype", *_one(dtype_code, lambda i: DTYPES[i])),  # type: ignore[arg-type]
-        int | None: ("int | None", _optional_int_encode, lambda s: (s[1] if s[0] else None, s[2:])),
-        tuple[int, ...]: ("tuple[int, ...]", _tuple_encode, lambda s: (tuple(s[1 : 1 + s[0]]), s[1 + s[0] :])),
-    }
-    for key, (name, encode, decode) in kinds.items():
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return _optional(_kind_of(inner, None))
+    for key, (name, encode, decode) in _KINDS.items():
         if annotation == key:
             return _Kind(name, encode, decode)
-    raise TypeError(
-        f"a fact must be bool, int, float, torch.dtype, int | None, tuple[int, ...] or have choices; got {annotation}"
-    )
+    raise TypeError(f"a fact must be {KINDS}; got {annotation}")
 
 
-def fact(*, label: str | None = None, choices: Sequence[object] | None = None, local: bool = False) -> Any:
+def fact(
+    *,
+    label: str | None = None,
+    choices: Sequence[object] | None = None,
+    local: bool = False,
+    default: object = dataclasses.MISSING,
+) -> Any:
     """Declare a field of a :class:`Facts` record.
 
     Args:
@@ -201,17 +218,22 @@ def fact(*, label: str | None = None, choices: Sequence[object] | None = None, l
         choices: the values the field may take (any objects, compared with ``==``); it travels as an index.
         local: the value stays on this rank (``Agreed.mine``): results of the validation the caller needs,
             such as unwrapped tensors. Local fields are not exchanged and cannot be compared.
+        default: the field's default value (as a dataclass default).
+
+    Returns:
+        A dataclass field carrying these settings.
     """
-    return dataclasses.field(metadata={"label": label, "choices": choices, "local": local})
+    return dataclasses.field(default=default, metadata={"label": label, "choices": choices, "local": local})
 
 
 class Facts:
     """Base of an agreement record: a frozen dataclass whose fields are the facts one rank reports.
 
-    Subclass it with ``@dataclasses.dataclass(frozen=True)``. Each field is a bool, int, float, torch.dtype,
-    ``int | None``, ``tuple[int, ...]`` or a :func:`fact` with ``choices``; :func:`fact` also sets the label
-    messages use and marks ``local`` fields, which stay on this rank. The wire is one fixed-size int64 row:
-    the fields in declaration order, each in the slots its kind takes.
+    Subclass it with ``@dataclasses.dataclass(frozen=True)``. Each field is a bool, int, float (exact: its
+    IEEE-754 bits), torch.dtype, ``tuple[int, ...]``, any of these ``| None``, or a :func:`fact` with
+    ``choices``; :func:`fact` also sets the label messages use and marks ``local`` fields, which stay on this
+    rank. The wire is one fixed-size int64 row: the fields in declaration order, each in the slots its kind
+    takes (one per scalar; a tuple its length plus one; ``| None`` one more); at most ``MAX_FACTS`` in all.
     """
 
     @classmethod
@@ -280,7 +302,11 @@ def read_header(row: torch.Tensor, what: str, schema: type[F] | None = None) -> 
 def _slots(what: str, facts: Facts | Sequence[int]) -> list[int]:
     slots = facts.encode() if isinstance(facts, Facts) else [int(f) for f in facts]
     if len(slots) > MAX_FACTS:
-        raise ValueError(f"{what}: too many facts for one row ({len(slots)} slots > {MAX_FACTS})")
+        name = type(facts).__name__ if isinstance(facts, Facts) else "the facts"
+        raise ValueError(
+            f"{what}: {name} takes {len(slots)} wire slots, more than the {MAX_FACTS} of one agreement row "
+            "(a long tuple field?); send fewer facts, e.g. a crc of a long shape"
+        )
     return slots
 
 
@@ -339,6 +365,8 @@ class Agreed(Generic[F]):
         """
         if self.rows is None:
             return
+        if not isinstance(self.rows[0], Facts):  # transition: the int-list path's require_same(label[, key])
+            label, key = names[0], (names[1] if len(names) > 1 else key) or (lambda row: row)
         if key is None:
             if not names:
                 raise TypeError("require_same needs field names or a key")
