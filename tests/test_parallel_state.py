@@ -7,7 +7,6 @@ import pytest
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh import _compat
 from wf_mesh import parallel_state as ps
 from wf_mesh.errors import (
     DegreeError,
@@ -15,7 +14,7 @@ from wf_mesh.errors import (
     NotInitializedError,
     StateError,
 )
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import process_group_counts, run_distributed
 
 WORLD = 4  # the Megatron-style tests (test_megatron_parallel_state.py) run at 8 ranks
 EVERY_RANK = f"(raised on every rank of the group {list(range(WORLD))})"
@@ -111,7 +110,7 @@ def test_megatron_names_are_aliases_of_the_short_names():
 def lifecycle(config_path):
     getters = (ps.get_tp_group, ps.get_cp_group, ps.get_pp_group, ps.get_dp_group)
     out = {"unchecked": tuple(getter(check_initialized=False) for getter in getters)}
-    held = _compat.process_group_counts()[0]
+    held = process_group_counts()[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ps.initialize_model_parallel(pipeline_model_parallel_size=4, nccl_communicator_config_path=config_path)
@@ -122,13 +121,13 @@ def lifecycle(config_path):
     out["after_destroy"] = (
         ps.model_parallel_is_initialized(),
         hasattr(ps, "cp_size_t"),
-        _compat.process_group_counts()[0] - held,
+        process_group_counts()[0] - held,
     )
     ps.destroy_model_parallel()  # nothing to destroy: a no-op
     ps.initialize_model_parallel(pipeline_model_parallel_size=4)
-    built = _compat.process_group_counts()[0]
+    built = process_group_counts()[0]
     ps.destroy_model_parallel(destroy_process_groups=False)  # a framework destroys them: references only
-    out["kept"] = (built - held > 0, _compat.process_group_counts()[0] == built)
+    out["kept"] = (built - held > 0, process_group_counts()[0] == built)
     return out
 
 
