@@ -3,16 +3,30 @@
 A collective goes wrong when ranks do not call it the same way: one rank raises on a bad argument while its
 peers wait in the collective (a hang until the timeout), or ranks pass different sizes (gloo aborts the
 process, or data arrives in the wrong place). So every wf_mesh entry point that issues a collective first
-calls :func:`agree`: each rank computes its *facts* (the integers that decide what the collective will do:
-shapes, dtypes, ``seq_dim``, ``seq_len``, a bucket size, ...), and its own validation runs while it does.
-One all-gather of a fixed-size int64 row per rank then tells every rank the facts and the verdict of every
-other rank, and all of them continue, or all of them raise the same exception:
+calls :func:`agree`: each rank computes its *facts*, a :class:`Facts` record whose named fields decide what
+the collective will do (shapes, dtypes, ``seq_dim``, ``seq_len``, a bucket size, ...), and its own validation
+runs while it does. One all-gather of a fixed-size int64 row per rank then tells every rank the records and
+the verdict of every other rank, and all of them continue, or all of them raise the same exception:
 
 - a rank whose validation raised: every rank raises that exception's type, with a message naming the rank(s)
   and what each said (a second, small all-gather carries the messages; it runs on this error path only);
 - ranks inside different wf_mesh calls at once (e.g. ``gather_sequence`` here, ``broadcast`` there):
   :class:`~wf_mesh.errors.DisagreementError` naming each rank's call;
-- facts that must be equal and are not (:meth:`Agreed.require_same`): DisagreementError naming each value.
+- facts that must be equal and are not (:meth:`Agreed.require_same`, by field name): DisagreementError
+  naming the field (its label) and each rank's value.
+
+A call site declares its record once::
+
+    @dataclasses.dataclass(frozen=True)
+    class _GatherFacts(agreement.Facts):
+        seq_dim: int
+        seq_len: int | None
+        grad: str = agreement.fact(choices=("replicate", "partial"))
+        local_shape: tuple[int, ...]
+        unwrapped: object = agreement.fact(local=True)   # stays on this rank (Agreed.mine)
+
+    agreed = agreement.agree(group, lambda: _GatherFacts(...), what="gather_sequence")
+    agreed.require_same("seq_dim")    # "gather_sequence: ranks disagree on seq_dim (rank 0: 1; rank 1: 2)"
 
 Cost: one all-gather of ``ROW`` int64 per rank and call. Where the exchange only validates (the data
 collective would work without it), :func:`checks_enabled` can turn it off: set ``WF_MESH_CHECKS=0`` in the
