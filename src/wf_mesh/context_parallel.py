@@ -10,9 +10,9 @@ broadcast_shard (src rank)  one scatter            none (the source's data is no
 ==========================  =====================  ==============================================
 
 Choose ``grad="replicate"`` when every CP rank computes the SAME loss from the gathered tensor (the
-usual case for a gathered output); choose ``grad="partial"`` when
-ranks use the gathered tensor DIFFERENTLY (e.g. all-gathered K/V in attention), so the true gradient of a
-shard is the sum of every rank's contribution.
+usual case for a gathered output); choose ``grad="partial"`` when ranks use the gathered tensor
+DIFFERENTLY (e.g. all-gathered K/V in attention), so the true gradient of a shard is the sum of every
+rank's contribution.
 
 Shards are plain local tensors by default, so the obvious loop works with ordinary modules::
 
@@ -170,7 +170,10 @@ class _GatherFacts(agreement.Facts):
         return f"{self.dtype} {(*shape[: self.seq_dim], '*', *shape[self.seq_dim + 1 :])}"
 
 
-def _gather_facts(x: torch.Tensor, seq_dim: int | None, seq_len: int | None, grad: str, mesh: DeviceMesh):
+def _gather_facts(
+    x: torch.Tensor, seq_dim: int | None, seq_len: int | None, grad: str, mesh: DeviceMesh
+) -> _GatherFacts:
+    """This rank's checks of a gather_sequence call, as its record."""
     if grad not in _GRAD_RULES:
         raise ValueError(f"grad={grad!r}: use 'replicate' or 'partial'")
     if not isinstance(x, torch.Tensor):
