@@ -11,7 +11,7 @@ causal (causal with ``balance="zigzag"`` for every method). Per method:
 2. bytes sent per rank per forward+backward, counted from the c10d ops dispatched on the rank (a
    TorchDispatchMode): ``send``: the tensor; ``all_to_all``: the input minus the rank's own split;
    ``all_gather``: the input to each of the n-1 peers; ``reduce_scatter``: (n-1)/n of the input (the ops are
-   seen through ``wf_mesh._compat.c10d_ops``: CommDebugMode does not see point-to-point ops). Against the
+   seen through ``wf_mesh.testing.c10d_ops``: CommDebugMode does not see point-to-point ops). Against the
    theory (local shard sizes; kv = local k + v, q = local q, e = element bytes, U/R = ulysses/ring size):
    ring ``(n-1)kv`` fwd, ``(n-1)kv + n kv_fp32`` bwd (dK/dV travel in fp32); ulysses ``(2q+kv)(U-1)/U`` each
    way; usp the sum of both parts; allgather ``(n-1)kv`` fwd and bwd; plus the agreement's all-gather
@@ -44,10 +44,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import wf_mesh
-from wf_mesh import _compat
 from wf_mesh.agreement import ROW
 from wf_mesh.attention import cp_attention, zigzag_shard
-from wf_mesh.testing import LocalCluster
+from wf_mesh.testing import LocalCluster, c10d_ops
 
 from _report import (  # benchmarks/ is on sys.path
     equals,
@@ -70,7 +69,7 @@ class Traffic:
         self.sent = 0
         self.live: dict[int, tuple[int, bool]] = {}
         self.kv_bytes = self.all_bytes = self.kv_peak = self.all_peak = 0
-        self.mode = _compat.c10d_ops(self._on_op)
+        self.mode = c10d_ops(self._on_op)
 
     def _on_op(self, name: str, args: tuple) -> None:
         if name == "send":

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from wf_mesh import ShardedEMA, broadcast_dtensor_model_states
+from wf_mesh import ShardedEMA, _compat, broadcast_dtensor_model_states
 from wf_mesh.testing import LocalCluster
 from wf_mesh.viz import format_table
 
@@ -60,9 +60,9 @@ def ema_large(count: int, numel: int, iters: int, trials: int) -> dict[str, list
     half_ema = ShardedEMA(half, beta=0.999)
     with torch.no_grad():
         paths = {
-            "copy_ (foreach)": lambda: torch._foreach_copy_(targets, src),
+            "copy_ (foreach)": lambda: _compat.foreach_copy_(targets, src),
             "copy_ (one flat)": lambda: flat_target.copy_(model.flat),
-            "bare _foreach_lerp_": lambda: torch._foreach_lerp_(bare, src, 0.001),
+            "bare _foreach_lerp_": lambda: _compat.foreach_lerp_(bare, src, 0.001),
             "ShardedEMA.update": lambda: ema.update(model),
             "ShardedEMA.update (bf16 model)": lambda: half_ema.update(half),
         }
@@ -83,7 +83,7 @@ def ema_small(count: int, numel: int, iters: int, trials: int) -> dict[str, list
     with torch.no_grad():
         return compare_trials(
             {
-                "copy_ (foreach)": lambda: torch._foreach_copy_(copy_targets, src),
+                "copy_ (foreach)": lambda: _compat.foreach_copy_(copy_targets, src),
                 "ShardedEMA.update": lambda: ema.update(model),
                 "lerp_ loop": loop,
             },

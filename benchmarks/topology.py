@@ -109,6 +109,7 @@ def child(world_size: int, reps: int) -> dict:
     import torch.distributed as dist
 
     from wf_mesh import _compat, init_parallel
+    from wf_mesh.testing import process_group_counts
 
     _compat.register_fake_backend()
     rank = world_size // 2 + 1
@@ -116,16 +117,16 @@ def child(world_size: int, reps: int) -> dict:
     dims = MESH_DIMS.resolve(world_size)
 
     def wf_mesh_build():
-        groups0, calls0 = _compat.process_group_counts()
+        groups0, calls0 = process_group_counts()
         t0 = time.perf_counter()
         pm = init_parallel(dims)
         elapsed = time.perf_counter() - t0
-        groups1, calls1 = _compat.process_group_counts()
+        groups1, calls1 = process_group_counts()
         pm.destroy()
         return elapsed, groups1 - groups0, calls1 - calls0
 
     def megatron_build():
-        groups0, calls0 = _compat.process_group_counts()
+        groups0, calls0 = process_group_counts()
         t0 = time.perf_counter()
         mine = []
         for axis in ALL_AXES:
@@ -134,7 +135,7 @@ def child(world_size: int, reps: int) -> dict:
                 if rank in ranks:
                     mine.append(group)
         elapsed = time.perf_counter() - t0
-        groups1, calls1 = _compat.process_group_counts()
+        groups1, calls1 = process_group_counts()
         for group in mine:
             dist.destroy_process_group(group)
         return elapsed, groups1 - groups0, calls1 - calls0

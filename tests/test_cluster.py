@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh.testing import LocalCluster, RemoteTraceback, get_cluster, run_distributed
+from wf_mesh.testing import LocalCluster, RemoteTraceback, get_cluster, process_group_counts, run_distributed
 
 
 def whoami():
@@ -27,7 +27,7 @@ def raise_on(rank):
 def leave_state_behind():
     wf_mesh.initialize_model_parallel(tp_size=2)
     dist.new_group([0, 1])
-    return len(dist.distributed_c10d._world.pg_map)
+    return process_group_counts()[0]
 
 
 def sleep_for(seconds):

@@ -37,7 +37,7 @@ from wf_mesh.legacy import fsdp as legacy_fsdp
 from wf_mesh.legacy import log as legacy_log
 from wf_mesh.legacy import process as legacy_process
 from wf_mesh.legacy import runtime as legacy_runtime
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import process_group_counts, run_distributed
 from wf_mesh.video import plan_video_split
 
 from helpers import DataType, raised_everywhere, sample
@@ -384,23 +384,23 @@ def groups_of(mesh):
 
 
 def hsdp_meshes():
-    baseline = _compat.process_group_counts()[0]
+    baseline = process_group_counts()[0]
     out = {}
     built = fsdp_runtime.hsdp_device_mesh(sharding_group_size=2)
     out["built"] = (built.mesh_dim_names, built.device_type, groups_of(built))
     out["cached"] = fsdp_runtime.hsdp_device_mesh(2, 2) is built
     out["default"] = groups_of(fsdp_runtime.hsdp_device_mesh())  # shard size min(world, 8) = 4
     wfd.destroy_model_parallel()  # no current mesh: still releases them
-    out["released"] = (_compat.mesh_is_live(built), _compat.process_group_counts()[0] - baseline)
+    out["released"] = (_compat.mesh_is_live(built), process_group_counts()[0] - baseline)
     pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(dp=4), dp_replicate=2)
-    before = _compat.process_group_counts()[0]
-    out["view"] = (fsdp_runtime.hsdp_device_mesh(2, 2) is pm.hsdp_mesh(), _compat.process_group_counts()[0] - before)
+    before = process_group_counts()[0]
+    out["view"] = (fsdp_runtime.hsdp_device_mesh(2, 2) is pm.hsdp_mesh(), process_group_counts()[0] - before)
     pm.destroy()
     wfd.initialize_model_parallel(tp_size=2)  # its HSDP view (if any) could not span the world: build one
     other = fsdp_runtime.hsdp_device_mesh(replica_group_size=2, sharding_group_size=2)
     out["with_tp"] = groups_of(other)
     wfd.destroy_model_parallel()
-    out["released_with_mesh"] = (_compat.mesh_is_live(other), _compat.process_group_counts()[0] - baseline)
+    out["released_with_mesh"] = (_compat.mesh_is_live(other), process_group_counts()[0] - baseline)
     return out
 
 

@@ -352,7 +352,7 @@ def test_dtensor_on_another_mesh_or_a_destroyed_one_is_refused():
     for out in run_distributed(4, dtensor_on_another_mesh):
         assert "the DTensor lives on DeviceMesh((tp=2)" in out["gather"] and "not on the cp mesh" in out["gather"]
         assert "redistribute it onto the cp mesh first" in out["shard"]
-        assert "belongs to a destroyed mesh (destroy_model_parallel / ParallelMesh.destroy)" in out["destroyed"]
+        assert "belongs to a destroyed mesh (ParallelMesh.destroy)" in out["destroyed"]
 
 
 def agreement_collectives():

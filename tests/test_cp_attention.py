@@ -13,7 +13,7 @@ that the bounds stay meaningful).
 Collective counts: ``CommDebugMode`` counts c10d collectives (it sees gloo's all_to_all_single as
 ``alltoall_base_``, all_gather_single as ``_allgather_base_``, reduce_scatter as ``_reduce_scatter_base_``) but
 not point-to-point ops: ``c10d.send`` / ``c10d.recv_`` are dispatched but are not in its list. So
-:func:`c10d_counter` (``wf_mesh._compat.c10d_ops``, the dispatch mode CommDebugMode builds on) counts every
+:func:`c10d_counter` (``wf_mesh.testing.c10d_ops``, on the dispatch mode CommDebugMode builds on) counts every
 ``c10d`` op by name, P2P included; it must agree with CommDebugMode on the collectives, and both are pinned
 against counts derived from the algorithm here.
 """
@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 import wf_mesh
-from wf_mesh import _compat, attention_ops
+from wf_mesh import attention_ops
 from wf_mesh.attention import (
     CPSelfAttention,
     cp_attention,
@@ -44,7 +44,7 @@ from wf_mesh.attention import (
 from wf_mesh.context_parallel import sequence_dtensor
 from wf_mesh.errors import DisagreementError, ShapeMismatchError
 from wf_mesh.sizing import chunk_sizes
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import c10d_ops, run_distributed
 
 USP = ("cp_ring", "cp_ulysses")
 TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
@@ -54,7 +54,7 @@ def c10d_counter():
     """``(counts, mode)``: while ``mode`` is active, every ``c10d`` op dispatched (collectives and point-to-point)
     is counted by name into ``counts``."""
     counts = collections.Counter()
-    return counts, _compat.c10d_ops(lambda name, args: counts.update([name]))
+    return counts, c10d_ops(lambda name, args: counts.update([name]))
 
 
 # ---- cases ---------------------------------------------------------------------------------------------

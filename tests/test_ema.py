@@ -279,6 +279,39 @@ def test_ema_matches_parameters_by_name_and_follows_dtype_changes():
         ema.load_state_dict({"0.weight": torch.zeros(2, 3), "0.bias": [0.0, 0.0]})
 
 
+def test_ema_retries_only_after_its_plans_went_stale():
+    """A parameter that changed dtype in place makes the foreach kernel fail: the EMA plans again and applies
+    once more. Any other error, out of memory above all, propagates from the one attempt."""
+    model = nn.Linear(3, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    ema = ShardedEMA(model, beta=0.5)
+    model.double()  # same Parameter objects, float64 data: the plans are stale
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)
+    for (name, value), p0 in zip(ema.state_dict().items(), start):
+        assert value.dtype == torch.float32 and torch.allclose(value, p0 + 0.5), name
+
+    attempts = []
+
+    def out_of_memory():
+        attempts.append("oom")
+        raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB")
+
+    def other_failure():
+        attempts.append("other")
+        raise RuntimeError("a kernel failed for another reason")
+
+    model.half()  # stale again: even then an out-of-memory error is not retried
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 2.00 GiB"):
+        ema._run(model, "update", out_of_memory)
+    fresh = ShardedEMA(model, beta=0.5)  # planned for the float16 model
+    with pytest.raises(RuntimeError, match="another reason"):
+        fresh._run(model, "update", other_failure)  # the plans fit: nothing to plan again, the error propagates
+    assert attempts == ["oom", "other"]
+
+
 def test_ema_and_the_legacy_updater_do_not_keep_models_alive():
     import gc
     import weakref

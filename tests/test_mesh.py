@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import wf_mesh
 from wf_mesh.errors import DegreeError, DisagreementError, StateError
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import process_group_counts, run_distributed
 from wf_mesh.topology import AXES, DERIVED_AXES
 
 from helpers import raised_everywhere
@@ -157,11 +157,11 @@ def test_mesh_misuse_raises_on_every_rank(case):
 
 
 def groups_created(timeout_seconds):
-    before = len(dist.distributed_c10d._world.pg_map)
+    before = process_group_counts()[0]
     timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
     mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=dist.get_world_size()), timeout=timeout)
     reused = mesh.group("tp") is dist.group.WORLD and mesh.group("tp_cp_dp") is dist.group.WORLD
-    return len(dist.distributed_c10d._world.pg_map) - before, reused
+    return process_group_counts()[0] - before, reused
 
 
 def test_axes_spanning_the_world_reuse_the_default_group():
@@ -197,7 +197,7 @@ def destroy_init_cycles(cycles):
         wf_mesh.initialize_model_parallel(tp_size=2)
         wf_mesh.destroy_model_parallel()
         fds.append(len(os.listdir("/proc/self/fd")))
-        groups.append(len(dist.distributed_c10d._world.pg_map))
+        groups.append(process_group_counts()[0])
     return fds, groups
 
 

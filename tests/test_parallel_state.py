@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh import _compat
 from wf_mesh import parallel_state as ps
 from wf_mesh.errors import (
     DegreeError,
@@ -17,7 +16,7 @@ from wf_mesh.errors import (
     StateError,
 )
 from wf_mesh.legacy.errors import LegacyStateError
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import process_group_counts, run_distributed
 
 WORLD = 4  # the Megatron-style tests (test_megatron_parallel_state.py) run at 8 ranks
 EVERY_RANK = f"(raised on every rank of the group {list(range(WORLD))})"
@@ -113,7 +112,7 @@ def test_megatron_names_are_aliases_of_the_short_names():
 def lifecycle(config_path):
     getters = (ps.get_tp_group, ps.get_cp_group, ps.get_pp_group, ps.get_dp_group)
     out = {"unchecked": tuple(getter(check_initialized=False) for getter in getters)}
-    held = _compat.process_group_counts()[0]
+    held = process_group_counts()[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ps.initialize_model_parallel(pipeline_model_parallel_size=4, nccl_communicator_config_path=config_path)
@@ -125,13 +124,13 @@ def lifecycle(config_path):
     out["after_destroy"] = (
         ps.model_parallel_is_initialized(),
         hasattr(ps, "cp_size_t"),
-        _compat.process_group_counts()[0] - held,
+        process_group_counts()[0] - held,
     )
     ps.destroy_model_parallel()  # nothing to destroy: a no-op
     ps.initialize_model_parallel(pipeline_model_parallel_size=4)
-    built = _compat.process_group_counts()[0]
+    built = process_group_counts()[0]
     ps.destroy_model_parallel(destroy_process_groups=False)  # a framework destroys them: references only
-    out["kept"] = (built - held > 0, _compat.process_group_counts()[0] == built)
+    out["kept"] = (built - held > 0, process_group_counts()[0] == built)
     return out
 
 
@@ -308,10 +307,10 @@ def test_gloo_groups_not_created():
 
 def gloo_on_first_request():
     """Megatron's Gloo groups: none until the first request (every rank makes it), then dp's ranks on Gloo."""
-    held = _compat.process_group_counts()[0]
+    held = process_group_counts()[0]
     ps.initialize_model_parallel(cp_size=2)  # 4 ranks: cp=2, dp=2
-    out = {"before": (ps._DATA_PARALLEL_GROUP_GLOO, _compat.process_group_counts()[0] - held)}
-    built = _compat.process_group_counts()[0]
+    out = {"before": (ps._DATA_PARALLEL_GROUP_GLOO, process_group_counts()[0] - held)}
+    built = process_group_counts()[0]
     dp, dp_cp = ps.get_dp_group_gloo(), ps.get_dp_group_gloo(with_context_parallel=True)
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total, group=dp)
@@ -323,10 +322,10 @@ def gloo_on_first_request():
         "again": ps.get_dp_group_gloo() is dp and ps.get_dp_group_gloo(True) is dp_cp,
         "globals": ps._DATA_PARALLEL_GROUP_GLOO is dp and ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO is dp_cp,
         "sum": total.item(),
-        "created": _compat.process_group_counts()[0] - built > 0,
+        "created": process_group_counts()[0] - built > 0,
     }
     ps.destroy_model_parallel()
-    out["after"] = (ps._DATA_PARALLEL_GROUP_GLOO, _compat.process_group_counts()[0] - held)
+    out["after"] = (ps._DATA_PARALLEL_GROUP_GLOO, process_group_counts()[0] - held)
     return out
 
 

@@ -14,13 +14,17 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
   ``destroy_process_group``, so repeated init/destroy would leak file descriptors.
 - ``register_fake_backend``: the ``fake`` backend (one process pretending to be rank r of N) is
   registered by a module under ``torch.testing._internal``.
-- ``process_group_counts``: groups held and ``new_group`` calls made, read from ``distributed_c10d._world``
-  (benchmarks/topology.py counts group creation with it).
+- ``process_groups`` / ``new_group_calls``: the groups this process holds and the ``new_group`` calls made,
+  read from ``distributed_c10d._world`` (``wf_mesh.testing`` counts and cleans up groups with them).
 - ``dtensor_local`` / ``wait_if_async`` / ``reshard_fsdp_modules`` (shard-local EMA and state broadcast):
   ``DTensor._local_tensor`` is the shard object itself (``to_local()`` on an ``nn.Parameter`` DTensor returns a
   fresh view per call, useless for cheap identity checks); ``AsyncCollectiveTensor`` lives in a private
   module; FSDP2 exposes no public "is this module resharded?" query.
-- ``clear_dtensor_caches`` (called by ``release_meshes`` and ``destroy_subgroups``): DTensor's
+- ``parameter_registry``: a module's own ``_parameters`` dict (the EMA follows re-registered parameters by
+  identity, cheaper than ``named_parameters()`` per call).
+- ``foreach_copy_`` / ``foreach_lerp_`` / ``foreach_mul_`` / ``foreach_add_``: torch's multi-tensor kernels
+  (``torch._foreach_*``, one launch per (device, dtype) group instead of one per tensor).
+- ``clear_dtensor_caches`` (called by ``release_meshes``; ``wf_mesh.testing`` after each test): DTensor's
   sharding-propagation and redistribute caches key on DeviceMesh equality (ranks, layout, names; not process
   groups), so after destroy + init a new, equal mesh would get cached specs that hold the OLD mesh and its
   destroyed groups ("Could not resolve the process group registered under the name ..."). ``mesh_is_live``
@@ -28,14 +32,14 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
 - ``flash_attention_cpu`` / ``flash_attention_cpu_backward`` (CP attention): ``F.scaled_dot_product_attention``
   does not return the row log-sum-exp needed to merge partial results over key blocks; the aten ops behind
   its CPU flash path do, and take it back for a blockwise backward.
-- ``c10d_ops``: CommDebugMode counts collectives only; counting point-to-point ops too needs a dispatch mode
-  (``torch.utils._python_dispatch``).
+- ``dispatch_mode``: CommDebugMode counts collectives only; counting point-to-point ops too needs a dispatch
+  mode, whose base class lives in ``torch.utils._python_dispatch`` (``wf_mesh.testing.c10d_ops`` builds on it).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,17 +48,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "backend_options",
-    "c10d_ops",
     "clear_dtensor_caches",
     "default_group_timeout",
-    "destroy_subgroups",
+    "dispatch_mode",
     "dtensor_local",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flatten",
+    "foreach_add_",
+    "foreach_copy_",
+    "foreach_lerp_",
+    "foreach_mul_",
     "mesh_group_names",
     "mesh_is_live",
-    "process_group_counts",
+    "new_group_calls",
+    "parameter_registry",
+    "process_groups",
     "register_fake_backend",
     "release_meshes",
     "reshard_fsdp_modules",
@@ -153,27 +162,45 @@ def register_fake_backend() -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers on import)
 
 
-def process_group_counts() -> tuple[int, int]:
-    """``(process groups this rank holds, new_group calls made so far in this process)`` (for benchmarks).
-
-    Non-member ``new_group`` calls create no group on this rank but still advance torch's group counter.
-    """
-    world = dist.distributed_c10d._world
-    return len(world.pg_map), world.group_count
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process holds, the default one included."""
+    return list(dist.distributed_c10d._world.pg_map)
 
 
-def destroy_subgroups() -> None:
-    """Destroy every process group except the default one (test clean-up between tests)."""
-    if not dist.is_initialized():
-        return
-    default = dist.group.WORLD
-    for pg in list(dist.distributed_c10d._world.pg_map):
-        if pg is not default:
-            dist.destroy_process_group(pg)
-    clear_dtensor_caches()  # meshes built outside wf_mesh (init_device_mesh) lost their groups too
+def new_group_calls() -> int:
+    """``new_group`` calls made so far in this process (non-member calls create no group on this rank but
+    still advance torch's group counter)."""
+    return dist.distributed_c10d._world.group_count
 
 
 # ---- shard-local state (ema.py, state_sync.py) ----------------------------------------------------------
+def parameter_registry(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """``module``'s own parameters by attribute name (not its children's): the live dict ``register_parameter``
+    writes, so that an identity check against it sees a re-registered parameter."""
+    return module._parameters
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, as one multi-tensor kernel per (device, dtype) group."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_lerp_(dst: list[torch.Tensor], end: list[torch.Tensor], weight: float) -> None:
+    """``dst[i].lerp_(end[i], weight)`` for every i (same dtypes), as multi-tensor kernels."""
+    torch._foreach_lerp_(dst, end, weight)
+
+
+def foreach_mul_(dst: list[torch.Tensor], scalar: float) -> None:
+    """``dst[i].mul_(scalar)`` for every i, as multi-tensor kernels."""
+    torch._foreach_mul_(dst, scalar)
+
+
+def foreach_add_(dst: list[torch.Tensor], other: list[torch.Tensor], *, alpha: float = 1.0) -> None:
+    """``dst[i].add_(other[i], alpha=alpha)`` for every i (``other`` may have another dtype), as multi-tensor
+    kernels."""
+    torch._foreach_add_(dst, other, alpha=alpha)
+
+
 def dtensor_local(dtensor: torch.Tensor) -> torch.Tensor:
     """The local shard object a DTensor holds (no view, no autograd): stable identity while the shard is."""
     return dtensor._local_tensor
@@ -247,19 +274,9 @@ def flash_attention_cpu_backward(
     )
 
 
-# ---- counting c10d ops (tests/test_cp_attention.py, benchmarks/cp_attention.py) ---------------------------
-# CommDebugMode (public) counts collectives only: point-to-point ops (c10d.send, c10d.recv_) are dispatched
-# but not in its list. The mode class it builds on lives in the private torch.utils._python_dispatch.
-def c10d_ops(on_op: Callable[[str, tuple], None]) -> Any:
-    """A context manager in which ``on_op(name, args)`` sees every ``c10d`` op dispatched on this thread (and in
-    autograd's backward), collectives and point-to-point alike, before it runs: ``name`` is the op's name
-    (``"send"``, ``"recv_"``, ``"alltoall_base_"``, ``"_allgather_base_"``, ...), ``args`` its arguments."""
+# ---- dispatch modes (wf_mesh.testing.c10d_ops) -----------------------------------------------------------
+def dispatch_mode() -> type:
+    """The base class of ``__torch_dispatch__`` modes (``TorchDispatchMode``, which CommDebugMode builds on)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class C10dOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                on_op(str(func).split(".")[1], args)
-            return func(*args, **(kwargs or {}))
-
-    return C10dOps()
+    return TorchDispatchMode

@@ -3,16 +3,30 @@
 A collective goes wrong when ranks do not call it the same way: one rank raises on a bad argument while its
 peers wait in the collective (a hang until the timeout), or ranks pass different sizes (gloo aborts the
 process, or data arrives in the wrong place). So every wf_mesh entry point that issues a collective first
-calls :func:`agree`: each rank computes its *facts* (the integers that decide what the collective will do:
-shapes, dtypes, ``seq_dim``, ``seq_len``, a bucket size, ...), and its own validation runs while it does.
-One all-gather of a fixed-size int64 row per rank then tells every rank the facts and the verdict of every
-other rank, and all of them continue, or all of them raise the same exception:
+calls :func:`agree`: each rank computes its *facts*, a :class:`Facts` record whose named fields decide what
+the collective will do (shapes, dtypes, ``seq_dim``, ``seq_len``, a bucket size, ...), and its own validation
+runs while it does. One all-gather of a fixed-size int64 row per rank then tells every rank the records and
+the verdict of every other rank, and all of them continue, or all of them raise the same exception:
 
 - a rank whose validation raised: every rank raises that exception's type, with a message naming the rank(s)
   and what each said (a second, small all-gather carries the messages; it runs on this error path only);
 - ranks inside different wf_mesh calls at once (e.g. ``gather_sequence`` here, ``broadcast`` there):
   :class:`~wf_mesh.errors.DisagreementError` naming each rank's call;
-- facts that must be equal and are not (:meth:`Agreed.require_same`): DisagreementError naming each value.
+- facts that must be equal and are not (:meth:`Agreed.require_same`, by field name): DisagreementError
+  naming the field (its label) and each rank's value.
+
+A call site declares its record once::
+
+    @dataclasses.dataclass(frozen=True)
+    class _GatherFacts(agreement.Facts):
+        seq_dim: int
+        seq_len: int | None
+        grad: str = agreement.fact(choices=("replicate", "partial"))
+        local_shape: tuple[int, ...]
+        unwrapped: object = agreement.fact(local=True)   # stays on this rank (Agreed.mine)
+
+    agreed = agreement.agree(group, lambda: _GatherFacts(...), what="gather_sequence")
+    agreed.require_same("seq_dim")    # "gather_sequence: ranks disagree on seq_dim (rank 0: 1; rank 1: 2)"
 
 Cost: one all-gather of ``ROW`` int64 per rank and call. Where the exchange only validates (the data
 collective would work without it), :func:`checks_enabled` can turn it off: set ``WF_MESH_CHECKS=0`` in the
@@ -27,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+import types
 import typing
 import zlib
 from collections.abc import Callable, Sequence
@@ -157,13 +172,29 @@ def _one(to_int: Callable[[object], int], from_int: Callable[[int], object]) -> 
     return (lambda v: [to_int(v)]), (lambda s: (from_int(s[0]), s[1:]))
 
 
-def _optional_int_encode(value: object) -> list[int]:
-    return [0, 0] if value is None else [1, int(value)]  # type: ignore[call-overload]
-
-
 def _tuple_encode(value: object) -> list[int]:
     values = [int(v) for v in value]  # type: ignore[attr-defined]
     return [len(values), *values]
+
+
+_KINDS: dict[object, tuple[str, Callable, Callable]] = {
+    bool: ("bool", *_one(lambda v: int(bool(v)), bool)),
+    int: ("int", *_one(int, int)),  # type: ignore[arg-type]
+    float: ("float", *_one(float_bits, bits_float)),  # type: ignore[arg-type]
+    torch.dtype: ("dtype", *_one(dtype_code, lambda i: DTYPES[i])),  # type: ignore[arg-type]
+    tuple[int, ...]: ("tuple[int, ...]", _tuple_encode, lambda s: (tuple(s[1 : 1 + s[0]]), s[1 + s[0] :])),
+}
+KINDS = "bool, int, float, torch.dtype, tuple[int, ...], any of these | None, or a fact() with choices"
+"""What a wire field may be (for messages)."""
+
+
+def _optional(inner: _Kind) -> _Kind:
+    """``inner | None``: a presence slot, then the value's slots when present."""
+
+    def decode(slots: list[int]) -> tuple[object, list[int]]:
+        return (None, slots[1:]) if not slots[0] else inner.decode(slots[1:])
+
+    return _Kind(f"{inner.name} | None", lambda v: [0] if v is None else [1, *inner.encode(v)], decode)
 
 
 def _kind_of(annotation: object, choices: Sequence[object] | None) -> _Kind:
@@ -176,23 +207,23 @@ def _kind_of(annotation: object, choices: Sequence[object] | None) -> _Kind:
             return options.index(v)
 
         return _Kind("choice", *_one(to_index, lambda i: options[i]))
-    kinds = {
-        bool: ("bool", *_one(lambda v: int(bool(v)), bool)),
-        int: ("int", *_one(int, int)),  # type: ignore[arg-type]
-        float: ("float", *_one(float_bits, bits_float)),  # type: ignore[arg-type]
-        torch.dtype: ("dtype", *_one(dtype_code, lambda i: DTYPES[i])),  # type: ignore[arg-type]
-        int | None: ("int | None", _optional_int_encode, lambda s: (s[1] if s[0] else None, s[2:])),
-        tuple[int, ...]: ("tuple[int, ...]", _tuple_encode, lambda s: (tuple(s[1 : 1 + s[0]]), s[1 + s[0] :])),
-    }
-    for key, (name, encode, decode) in kinds.items():
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return _optional(_kind_of(inner, None))
+    for key, (name, encode, decode) in _KINDS.items():
         if annotation == key:
             return _Kind(name, encode, decode)
-    raise TypeError(
-        f"a fact must be bool, int, float, torch.dtype, int | None, tuple[int, ...] or have choices; got {annotation}"
-    )
+    raise TypeError(f"a fact must be {KINDS}; got {annotation}")
 
 
-def fact(*, label: str | None = None, choices: Sequence[object] | None = None, local: bool = False) -> Any:
+def fact(
+    *,
+    label: str | None = None,
+    choices: Sequence[object] | None = None,
+    local: bool = False,
+    default: object = dataclasses.MISSING,
+) -> Any:
     """Declare a field of a :class:`Facts` record.
 
     Args:
@@ -200,17 +231,22 @@ def fact(*, label: str | None = None, choices: Sequence[object] | None = None, l
         choices: the values the field may take (any objects, compared with ``==``); it travels as an index.
         local: the value stays on this rank (``Agreed.mine``): results of the validation the caller needs,
             such as unwrapped tensors. Local fields are not exchanged and cannot be compared.
+        default: the field's default value (as a dataclass default).
+
+    Returns:
+        A dataclass field carrying these settings.
     """
-    return dataclasses.field(metadata={"label": label, "choices": choices, "local": local})
+    return dataclasses.field(default=default, metadata={"label": label, "choices": choices, "local": local})
 
 
 class Facts:
     """Base of an agreement record: a frozen dataclass whose fields are the facts one rank reports.
 
-    Subclass it with ``@dataclasses.dataclass(frozen=True)``. Each field is a bool, int, float, torch.dtype,
-    ``int | None``, ``tuple[int, ...]`` or a :func:`fact` with ``choices``; :func:`fact` also sets the label
-    messages use and marks ``local`` fields, which stay on this rank. The wire is one fixed-size int64 row:
-    the fields in declaration order, each in the slots its kind takes.
+    Subclass it with ``@dataclasses.dataclass(frozen=True)``. Each field is a bool, int, float (exact: its
+    IEEE-754 bits), torch.dtype, ``tuple[int, ...]``, any of these ``| None``, or a :func:`fact` with
+    ``choices``; :func:`fact` also sets the label messages use and marks ``local`` fields, which stay on this
+    rank. The wire is one fixed-size int64 row: the fields in declaration order, each in the slots its kind
+    takes (one per scalar; a tuple its length plus one; ``| None`` one more); at most ``MAX_FACTS`` in all.
     """
 
     @classmethod
@@ -279,7 +315,11 @@ def read_header(row: torch.Tensor, what: str, schema: type[F] | None = None) -> 
 def _slots(what: str, facts: Facts | Sequence[int]) -> list[int]:
     slots = facts.encode() if isinstance(facts, Facts) else [int(f) for f in facts]
     if len(slots) > MAX_FACTS:
-        raise ValueError(f"{what}: too many facts for one row ({len(slots)} slots > {MAX_FACTS})")
+        name = type(facts).__name__ if isinstance(facts, Facts) else "the facts"
+        raise ValueError(
+            f"{what}: {name} takes {len(slots)} wire slots, more than the {MAX_FACTS} of one agreement row "
+            "(a long tuple field?); send fewer facts, e.g. a crc of a long shape"
+        )
     return slots
 
 
@@ -338,10 +378,8 @@ class Agreed(Generic[F]):
         """
         if self.rows is None:
             return
-        if len(names) == 2 and callable(names[1]):  # transition: the int-list call sites' (label, value)
-            names, key, label = (), names[1], names[0]
-        elif len(names) == 1 and self.rows and not isinstance(self.rows[0], Facts) and key is None:
-            names, key, label = (), (lambda row: row), names[0]
+        if not isinstance(self.rows[0], Facts):  # transition: the int-list path's require_same(label[, key])
+            label, key = names[0], (names[1] if len(names) > 1 else key) or (lambda row: row)
         if key is None:
             if not names:
                 raise TypeError("require_same needs field names or a key")

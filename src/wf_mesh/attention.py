@@ -58,8 +58,8 @@ rank receives exactly the K/V heads its query heads use), which costs K/V traffi
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import struct
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat
-from wf_mesh.agreement import DTYPES, agree, dtype_code, float_bits
+from wf_mesh.agreement import Agreed, Facts, agree, fact
 from wf_mesh.attention_ops import (
     GatherKV,
     HeadsToSeq,
@@ -79,10 +79,11 @@ from wf_mesh.attention_ops import (
     gather_mask,
     gather_mask_padded,
     rank_segments,
+    zigzag_segments,
 )
 from wf_mesh.context_parallel import cp_mesh, normalize_dim, sequence_dtensor
-from wf_mesh.errors import DisagreementError, ShapeMismatchError
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
+from wf_mesh.errors import ShapeMismatchError
+from wf_mesh.mesh import ParallelMesh, device_mesh_ranks, get_parallel_mesh
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = ["CPSelfAttention", "cp_attention", "zigzag_gather", "zigzag_shard", "zigzag_sizes"]
@@ -99,8 +100,7 @@ MeshArg = DeviceMesh | ParallelMesh | None
 # ---- layouts: which global positions each rank holds ----------------------------------------------------
 def zigzag_sizes(length: int, parts: int) -> list[int]:
     """Local lengths of the zigzag layout: rank r holds chunks r and ``2*parts-1-r`` of ``2*parts``."""
-    sizes = chunk_sizes(length, 2 * parts)
-    return [sizes[r] + sizes[2 * parts - 1 - r] for r in range(parts)]
+    return [sum(s.length for s in segments) for segments in zigzag_segments(length, parts)]
 
 
 # ---- meshes --------------------------------------------------------------------------------------------
@@ -135,8 +135,93 @@ def _usp_axes(mesh: MeshArg) -> tuple[DeviceMesh, DeviceMesh]:
     )
 
 
-def _ranks(mesh: DeviceMesh) -> list[int]:
-    return mesh.mesh.flatten().tolist()
+# ---- the call, validated and agreed --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _AttentionCall(Facts):
+    """One rank's cp_attention call: its settings and shapes (exchanged), and the local tensors (kept)."""
+
+    method: str = fact(choices=METHODS)
+    layout: str = fact(choices=LAYOUTS)
+    causal: bool
+    scale: float
+    balance: str | None = fact(choices=BALANCES)
+    mask: bool = fact(label="key_padding_mask presence")
+    batch: int
+    q_heads: int = fact(label="query heads")
+    kv_heads: int = fact(label="kv heads")
+    head_dim: int = fact(label="head dim")
+    dtype: torch.dtype
+    local_len: int
+    tensors: tuple = fact(local=True)
+    """``(q, k, v, key_padding_mask)``: local tensors, DTensors unwrapped."""
+    usp_axes: tuple[DeviceMesh, DeviceMesh] | None = fact(local=True, default=None)
+    """``(cp_ring, cp_ulysses)`` for method ``"usp"``."""
+
+
+def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_mesh) -> _AttentionCall:
+    """This rank's checks of a cp_attention call (what only this rank can see), as its record."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: use one of {list(METHODS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: use one of {list(LAYOUTS)}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r}: use None or 'zigzag'")
+    tensors = (q, k, v, pad)
+    if isinstance(q, DTensor):
+        tensors = _unwrap(*tensors, 1 if layout == "bshd" else 2, balance, mesh, group_mesh)
+    lq, lk, lv, lpad = tensors
+    _check_local(lq, lk, lv, lpad, layout)
+    batch, length, q_heads, head_dim = _dims(lq, layout)
+    usp_axes, ulysses = None, 1
+    if method == "ulysses":
+        ulysses = group_mesh.size()
+    elif method == "usp":
+        usp_axes = _usp_axes(mesh)
+        ring_mesh, uly_mesh = usp_axes
+        if mesh is None and device_mesh_ranks(get_parallel_mesh()["cp"]) != device_mesh_ranks(group_mesh):
+            raise ValueError("the DTensors' mesh is not the current ParallelMesh's cp axis")
+        if ring_mesh.size() * uly_mesh.size() != group_mesh.size():
+            raise ValueError(
+                f"usp: cp_ring {ring_mesh.size()} x cp_ulysses {uly_mesh.size()} != cp {group_mesh.size()}"
+            )
+        ulysses = uly_mesh.size()
+    if q_heads % ulysses:
+        raise ValueError(f"method={method!r}: {q_heads} query heads are not divisible by the Ulysses size {ulysses}")
+    return _AttentionCall(
+        method,
+        layout,
+        bool(causal),
+        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        balance,
+        lpad is not None,
+        batch,
+        q_heads,
+        _dims(lk, layout)[2],
+        head_dim,
+        lq.dtype,
+        length,
+        tensors=tensors,
+        usp_axes=usp_axes,
+    )
+
+
+def _agreed_lengths(agreed: Agreed[_AttentionCall]) -> list[int]:
+    """Every rank's shard length, once the ranks are known to make the same call (else raise on every rank)."""
+    for name in ("method", "layout", "causal", "scale", "balance", "mask"):
+        agreed.require_same(name)
+    agreed.require_same("batch", "q_heads", "kv_heads", "head_dim", error=ShapeMismatchError)
+    agreed.require_same("dtype", error=ShapeMismatchError)
+    lengths = agreed.values("local_len")
+    total, n = sum(lengths), len(lengths)
+    zigzag = agreed.mine.balance == "zigzag"
+    expected = zigzag_sizes(total, n) if zigzag else chunk_sizes(total, n)
+    if lengths != expected:
+        sizing = "zigzag sizing" if zigzag else "torch.chunk sizing"
+        raise ShapeMismatchError(
+            f"cp_attention: seq shards inconsistent with the mesh: local lengths {lengths} (sum {total}) over "
+            f"{n} cp ranks; {sizing} of {total} gives {expected}"
+        )
+    return lengths
 
 
 # ---- the public entry point ------------------------------------------------------------------------------
@@ -163,108 +248,40 @@ def cp_attention(
         mesh: a ParallelMesh (its ``cp`` axis; for usp its ``cp_ring`` and ``cp_ulysses`` axes), a 1-D cp
             DeviceMesh, a 2-D DeviceMesh named ``("cp_ring", "cp_ulysses")`` (cp rank = ring * U + ulysses),
             or None: the DTensor inputs' mesh, else the current ParallelMesh.
+        layout: ``"bhsd"`` or ``"bshd"``, the layout of q, k, v and the output.
         causal: each query sees the keys at the same or an earlier GLOBAL position.
         scale: softmax scale, default ``1/sqrt(D)``.
         key_padding_mask: bool ``(B, S_r)`` for this rank's keys, True = padding (ignored keys).
         balance: None (``torch.chunk`` shards) or ``"zigzag"`` (shards from :func:`zigzag_shard`).
 
-    Every misuse (different settings, shapes or dtypes on different ranks, shard lengths that are not the
-    chunk sizes of their sum, heads not divisible by the Ulysses size, ...) raises the same exception on
-    every cp rank, before any data moves.
+    Returns:
+        This rank's shard of the output, in ``layout`` (a ``Shard(seq_dim)`` DTensor for DTensor inputs).
+
+    Raises:
+        DisagreementError: ranks that differ in method, layout, causal, scale, balance or mask presence.
+        ShapeMismatchError: ranks that differ in batch, heads, head dim or dtype, or shard lengths that are
+            not the chunk (or zigzag) sizes of their sum.
+        ValueError, TypeError: a bad argument on any rank (heads not divisible by the Ulysses size, ...).
+
+    Every error is raised on every cp rank, before any data moves.
     """
     dtensor = isinstance(q, DTensor)
     group_mesh = q.device_mesh if dtensor and mesh is None else _cp_of(mesh)
-    group = group_mesh.get_group()
-    state: dict = {}
-
-    def facts() -> list[int]:
-        if method not in METHODS:
-            raise ValueError(f"method={method!r}: use one of {list(METHODS)}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout={layout!r}: use one of {list(LAYOUTS)}")
-        if balance not in BALANCES:
-            raise ValueError(f"balance={balance!r}: use None or 'zigzag'")
-        seq_dim = 1 if layout == "bshd" else 2
-        tensors = (q, k, v, key_padding_mask)
-        if dtensor:
-            tensors = _unwrap(*tensors, seq_dim, balance, mesh, group_mesh)
-        lq, lk, lv, pad = tensors
-        _check_local(lq, lk, lv, pad, layout)
-        bq, sq, hq, d = _dims(lq, layout)
-        hkv = _dims(lk, layout)[2]
-        ulysses = 1
-        if method == "ulysses":
-            ulysses = group_mesh.size()
-        elif method == "usp":
-            ring_mesh, uly_mesh = _usp_axes(mesh)
-            if mesh is None and _ranks(get_parallel_mesh()["cp"]) != _ranks(group_mesh):
-                raise ValueError("the DTensors' mesh is not the current ParallelMesh's cp axis")
-            if ring_mesh.size() * uly_mesh.size() != group_mesh.size():
-                raise ValueError(
-                    f"usp: cp_ring {ring_mesh.size()} x cp_ulysses {uly_mesh.size()} != cp {group_mesh.size()}"
-                )
-            ulysses = uly_mesh.size()
-            state["axes"] = ring_mesh, uly_mesh
-        if hq % ulysses:
-            raise ValueError(f"method={method!r}: {hq} query heads are not divisible by the Ulysses size {ulysses}")
-        value = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        state.update(tensors=tensors, scale=value)
-        return [
-            METHODS.index(method),
-            LAYOUTS.index(layout),
-            int(bool(causal)),
-            float_bits(value),
-            BALANCES.index(balance),
-            int(pad is not None),
-            bq,
-            hq,
-            hkv,
-            d,
-            dtype_code(lq.dtype),
-            sq,
-        ]
-
-    agreed = agree(group, facts, what="cp_attention", required=True)
-    for label, index, show in (
-        ("method", 0, METHODS),
-        ("layout", 1, LAYOUTS),
-        ("causal", 2, (False, True)),
-        ("scale", 3, None),
-        ("balance", 4, BALANCES),
-        ("key_padding_mask presence", 5, (False, True)),
-    ):
-        shown = (lambda r, i=index: _float(r[i])) if show is None else (lambda r, i=index, s=show: s[r[i]])
-        agreed.require_same(label, shown, error=DisagreementError)
-    agreed.require_same("(batch, query heads, kv heads, head dim)", lambda r: r[6:10], error=ShapeMismatchError)
-    agreed.require_same("dtype", lambda r: DTYPES[r[10]], error=ShapeMismatchError)
-    lengths = [r[11] for r in agreed.rows]
-    total, n = sum(lengths), len(lengths)
-    expected = zigzag_sizes(total, n) if balance else chunk_sizes(total, n)
-    if lengths != expected:
-        sizing = "zigzag sizing" if balance else "torch.chunk sizing"
-        raise ShapeMismatchError(
-            f"cp_attention: seq shards inconsistent with the mesh: local lengths {lengths} (sum {total}) over "
-            f"{n} cp ranks; {sizing} of {total} gives {expected}"
-        )
-
-    lq, lk, lv, pad = state["tensors"]
-    seq_major = layout == "bshd"
-    if seq_major:
-        lq, lk, lv = (x.transpose(1, 2) for x in (lq, lk, lv))
-    axes, softmax_scale = state.get("axes"), state["scale"]
-    out = _run(lq, lk, lv, pad, method, group_mesh, axes, lengths, causal, balance, softmax_scale, seq_major)
-    if seq_major:
-        out = out.transpose(1, 2)
+    agreed = agree(
+        group_mesh.get_group(),
+        lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
+        what="cp_attention",
+        required=True,
+    )
+    lengths = _agreed_lengths(agreed)
+    call = agreed.mine
+    out = _run(call, group_mesh, lengths)
     if not dtensor:
         return out
-    seq_dim = 1 if seq_major else 2
+    seq_dim = 1 if layout == "bshd" else 2
     global_shape = list(out.shape)
-    global_shape[seq_dim] = total
+    global_shape[seq_dim] = sum(lengths)
     return sequence_dtensor(out, seq_dim, global_shape, mesh=q.device_mesh)
-
-
-def _float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -300,65 +317,94 @@ def _unwrap(q, k, v, pad, seq_dim, balance, mesh, group_mesh):
     """Local tensors of DTensor inputs, after checking their placement and mesh."""
     if balance is not None:
         raise ValueError("DTensor inputs are torch.chunk shards (Shard); zigzag shards must be plain tensors")
+    q_ranks = device_mesh_ranks(q.device_mesh)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, DTensor):
             raise TypeError(f"q is a DTensor but {name} is a {type(x).__name__}: pass all three as DTensors or none")
         if tuple(x.placements) != (Shard(seq_dim),):
             raise ValueError(f"{name} must be placed (Shard({seq_dim}),) (the sequence dim), got {tuple(x.placements)}")
-        if _ranks(x.device_mesh) != _ranks(q.device_mesh):
+        if device_mesh_ranks(x.device_mesh) != q_ranks:
             raise ValueError(f"q and {name} live on different meshes")
-    if mesh is not None and _ranks(group_mesh) != _ranks(q.device_mesh):
+    if mesh is not None and device_mesh_ranks(group_mesh) != q_ranks:
         raise ValueError(
-            f"the DTensors' mesh (ranks {_ranks(q.device_mesh)}) is not the mesh= argument's cp ranks "
-            f"{_ranks(group_mesh)}"
+            f"the DTensors' mesh (ranks {q_ranks}) is not the mesh= argument's cp ranks {device_mesh_ranks(group_mesh)}"
         )
     if isinstance(pad, DTensor):
         pad = pad.to_local()
     return q.to_local(), k.to_local(), v.to_local(), pad
 
 
-def _run(q, k, v, pad, method, cp, axes, lengths, causal, balance, scale, seq_major):
-    """The computation on ``(B, H, S_r, D)`` views, after the agreement."""
+# ---- plan the method, then run it -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _MethodPlan:
+    """How one call runs: the blockwise core's plan and the moves around it.
+
+    allgather: k, v (and the mask) are first gathered from every rank, each padded to ``gather_longest``.
+    ulysses / usp: q, k, v (and the mask) go from sequence to head shards over ``ulysses`` (the sequence
+    lengths of its ranks are ``ulysses_lengths``), K/V heads first repeated ``kv_repeat`` times; the output
+    comes back the same way.
+    """
+
+    core: RingPlan
+    gather: dist.ProcessGroup | None = None
+    gather_longest: int = 0
+    ulysses: dist.ProcessGroup | None = None
+    ulysses_lengths: tuple[int, ...] = ()
+    kv_repeat: int = 1
+
+
+def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool) -> _MethodPlan:
+    """The :class:`_MethodPlan` of an agreed call on ``cp`` (pure arithmetic, no communication)."""
     n, me, total = len(lengths), cp.get_local_rank(), sum(lengths)
-    segments = rank_segments(total, n, balance)
-    fused = q.device.type == "cpu"
-    if method == "allgather":
+    segments = rank_segments(total, n, call.balance)
+    causal, scale = call.causal, call.scale
+    if call.method == "allgather":
         longest = max(lengths)
-        k, v = GatherKV.apply(k, v, cp.get_group(), longest)
-        if pad is not None:
-            pad = gather_mask_padded(pad, cp.get_group(), longest)
         kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
-        plan = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, fused)
-        return RingAttention.apply(q, k, v, pad, plan)
-    if method == "ring":
-        ring, uly = cp, None
-    elif method == "ulysses":
-        ring, uly = None, cp
-    else:
-        ring, uly = axes
+        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, fused)
+        return _MethodPlan(core, gather=cp.get_group(), gather_longest=longest)
+    ring, uly = {"ring": (cp, None), "ulysses": (None, cp), "usp": call.usp_axes}[call.method]
     u = uly.size() if uly is not None else 1
-    r = me // u
-    ring_size = n // u
+    r, ring_size = me // u, n // u
     ring_lengths = [sum(lengths[i * u : (i + 1) * u]) for i in range(ring_size)]
     ring_segments = [
         concat_segments(segments[i * u : (i + 1) * u], [sum(lengths[i * u : i * u + x]) for x in range(u)], causal)
         for i in range(ring_size)
     ]
-    if u > 1:
-        mine = lengths[r * u : (r + 1) * u]
-        ugroup = uly.get_group()
-        hkv = k.shape[1]
-        if hkv % u:
-            k, v = (x.repeat_interleave(u // math.gcd(hkv, u), dim=1) for x in (k, v))
-        q, k, v = (SeqToHeads.apply(x, ugroup, mine) for x in (q, k, v))
-        if pad is not None:
-            pad = gather_mask(pad, ugroup, mine)
     group = ring.get_group() if ring is not None and ring_size > 1 else None
-    plan = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, fused)
-    out = RingAttention.apply(q, k, v, pad, plan)
-    if u > 1:
-        out = HeadsToSeq.apply(out, ugroup, mine, seq_major)
-    return out
+    core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, fused)
+    if u == 1:
+        return _MethodPlan(core)
+    return _MethodPlan(
+        core,
+        ulysses=uly.get_group(),
+        ulysses_lengths=tuple(lengths[r * u : (r + 1) * u]),
+        kv_repeat=1 if call.kv_heads % u == 0 else u // math.gcd(call.kv_heads, u),
+    )
+
+
+def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int]) -> torch.Tensor:
+    """The output shard of an agreed call, in its layout."""
+    q, k, v, pad = call.tensors
+    seq_major = call.layout == "bshd"
+    if seq_major:  # the engine works on (B, H, S, D) views
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    plan = _plan(call, cp, lengths, fused=q.device.type == "cpu")
+    if plan.gather is not None:
+        k, v = GatherKV.apply(k, v, plan.gather, plan.gather_longest)
+        if pad is not None:
+            pad = gather_mask_padded(pad, plan.gather, plan.gather_longest)
+    if plan.ulysses is not None:
+        mine = list(plan.ulysses_lengths)
+        if plan.kv_repeat > 1:
+            k, v = (x.repeat_interleave(plan.kv_repeat, dim=1) for x in (k, v))
+        q, k, v = (SeqToHeads.apply(x, plan.ulysses, mine) for x in (q, k, v))
+        if pad is not None:
+            pad = gather_mask(pad, plan.ulysses, mine)
+    out = RingAttention.apply(q, k, v, pad, plan.core)
+    if plan.ulysses is not None:
+        out = HeadsToSeq.apply(out, plan.ulysses, list(plan.ulysses_lengths), seq_major)
+    return out.transpose(1, 2) if seq_major else out
 
 
 # ---- zigzag layout ---------------------------------------------------------------------------------------
@@ -369,50 +415,70 @@ def _cp_index(mesh: MeshArg) -> tuple[DeviceMesh, int, int]:
 
 def zigzag_shard(x: torch.Tensor, seq_dim: int, *, mesh: MeshArg = None) -> torch.Tensor:
     """This cp rank's zigzag shard of ``x``: the sequence is cut into ``2 * cp`` ``torch.chunk`` chunks and
-    rank r holds chunks r and ``2*cp-1-r``, concatenated. No collective; differentiable (a slice)."""
+    rank r holds chunks r and ``2*cp-1-r``, concatenated. No collective; differentiable (a slice).
+
+    Args:
+        x: the full sequence.
+        seq_dim: its sequence dim.
+        mesh: the cp mesh (as for :func:`cp_attention`).
+
+    Returns:
+        This rank's shard (a new tensor: the two chunks concatenated).
+    """
     _, rank, n = _cp_index(mesh)
     dim = normalize_dim(seq_dim, x.ndim)
-    sizes = chunk_sizes(x.shape[dim], 2 * n)
-    starts = [sum(sizes[:i]) for i in range(2 * n)]
-    a, b = rank, 2 * n - 1 - rank
-    return torch.cat([x.narrow(dim, starts[a], sizes[a]), x.narrow(dim, starts[b], sizes[b])], dim=dim)
+    segments = zigzag_segments(x.shape[dim], n)[rank]
+    return torch.cat([x.narrow(dim, s.start, s.length) for s in segments], dim=dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZigzagFacts(Facts):
+    dtype: torch.dtype
+    seq_dim: int
+    seq_len: int
+    other_dims: tuple[int, ...] = fact(label="other dims")
 
 
 def zigzag_gather(local: torch.Tensor, seq_dim: int, *, mesh: MeshArg = None, seq_len: int) -> torch.Tensor:
     """The full sequence (original order) from zigzag shards: one all-gather (shards padded to the longest),
     then a local reorder. Returns a plain tensor that does not carry gradients back to the shards.
 
-    Raises (on every rank) unless the shards agree on dtype and the other dims and their lengths are the
-    zigzag sizes of ``seq_len``.
+    Args:
+        local: this rank's zigzag shard.
+        seq_dim: its sequence dim.
+        mesh: the cp mesh (as for :func:`cp_attention`).
+        seq_len: the full sequence's length.
+
+    Returns:
+        The full sequence, on every rank.
+
+    Raises:
+        ShapeMismatchError: (on every rank) shards that disagree on dtype, ``seq_dim``, ``seq_len`` or the
+            other dims, or whose lengths are not the zigzag sizes of ``seq_len``.
     """
     cp, rank, n = _cp_index(mesh)
     dim = normalize_dim(seq_dim, local.ndim)
-    expected = zigzag_sizes(seq_len, n)
+    layout = zigzag_segments(seq_len, n)
+    expected = [sum(s.length for s in segments) for segments in layout]
 
-    def facts() -> list[int]:
+    def facts() -> _ZigzagFacts:
         if local.shape[dim] != expected[rank]:
             raise ShapeMismatchError(
                 f"local length {local.shape[dim]} (dim {dim}) is not the zigzag shard {expected[rank]} of "
                 f"seq_len={seq_len} over {n} cp ranks (all shards: {expected})"
             )
-        other = [s for i, s in enumerate(local.shape) if i != dim]
-        return [dtype_code(local.dtype), dim, seq_len, local.ndim, *other]
+        return _ZigzagFacts(local.dtype, dim, seq_len, tuple(s for i, s in enumerate(local.shape) if i != dim))
 
     agreed = agree(cp.get_group(), facts, what="zigzag_gather")
-    if agreed is not None:
-        agreed.require_same("(dtype, seq_dim, seq_len, ndim, other dims)", error=ShapeMismatchError)
+    agreed.require_same("dtype", "seq_dim", "seq_len", "other_dims", error=ShapeMismatchError)
     longest = max(expected)
     moved = local.detach().movedim(dim, 0)
     send = moved.new_zeros(longest, *moved.shape[1:])
     send[: moved.shape[0]] = moved
     recv = send.new_empty(n * longest, *moved.shape[1:])
     dist.all_gather_single(recv, send, group=cp.get_group())
-    sizes = chunk_sizes(seq_len, 2 * n)
-    pieces: list[torch.Tensor | None] = [None] * (2 * n)
-    for r in range(n):
-        a, b = r, 2 * n - 1 - r
-        pieces[a] = recv[r * longest : r * longest + sizes[a]]
-        pieces[b] = recv[r * longest + sizes[a] : r * longest + sizes[a] + sizes[b]]
+    placed = sorted(((r, s) for r, segments in enumerate(layout) for s in segments), key=lambda rs: rs[1].start)
+    pieces = [recv[r * longest + s.offset : r * longest + s.offset + s.length] for r, s in placed]
     return torch.cat(pieces, dim=0).movedim(0, dim)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "gather_mask",
     "gather_mask_padded",
     "rank_segments",
+    "zigzag_segments",
 ]
 
 
@@ -46,18 +47,28 @@ class Segment:
     length: int
 
 
-def rank_segments(length: int, parts: int, balance: str | None) -> list[list[Segment]]:
-    """Each cp rank's segments (offsets within its own shard)."""
-    if balance is None:
-        sizes = chunk_sizes(length, parts)
-        return [[Segment(0, sum(sizes[:r]), sizes[r])] for r in range(parts)]
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def zigzag_segments(length: int, parts: int) -> list[list[Segment]]:
+    """The zigzag layout: the sequence cut into ``2 * parts`` ``torch.chunk`` chunks, rank r holding chunks r
+    and ``2*parts-1-r``, in that order. Each rank's two segments (offsets within its own shard)."""
     sizes = chunk_sizes(length, 2 * parts)
-    starts = [sum(sizes[:i]) for i in range(2 * parts)]
+    starts = _starts(sizes)
     out = []
     for r in range(parts):
         a, b = r, 2 * parts - 1 - r
         out.append([Segment(0, starts[a], sizes[a]), Segment(sizes[a], starts[b], sizes[b])])
     return out
+
+
+def rank_segments(length: int, parts: int, balance: str | None) -> list[list[Segment]]:
+    """Each cp rank's segments (offsets within its own shard): ``torch.chunk`` shards, or zigzag."""
+    if balance == "zigzag":
+        return zigzag_segments(length, parts)
+    sizes = chunk_sizes(length, parts)
+    return [[Segment(0, start, size)] for start, size in zip(_starts(sizes), sizes)]
 
 
 def concat_segments(blocks: Sequence[list[Segment]], offsets: Sequence[int], positional: bool) -> list[Segment]:

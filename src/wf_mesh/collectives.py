@@ -17,6 +17,7 @@ raises on every rank before any data moves.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import os
@@ -33,7 +34,6 @@ from wf_mesh.errors import ShapeMismatchError
 
 __all__ = ["broadcast"]
 
-_NONE, _TENSOR, _VALUE, _PICKLE = 0, 1, 2, 3
 _warned: set[str] = set()
 
 
@@ -187,6 +187,58 @@ def pickle_allowed(allow_pickle: bool | None) -> bool:
 
 
 # ---- broadcast ----------------------------------------------------------------------------------------
+_KINDS = ("none", "tensor", "value", "pickle")
+
+
+@dataclasses.dataclass(frozen=True)
+class _BroadcastFacts(agreement.Facts):
+    """One rank's side of a broadcast: what the source sends (receivers: what they pass)."""
+
+    kind: str = agreement.fact(choices=_KINDS)
+    pickle_ok: bool = agreement.fact(label="pickle allowed")
+    value_bytes: int = 0
+    """The typed encoding's length (source)."""
+    tensor_bytes: int = 0
+    """The bytes of the tensors inside the value (source)."""
+    dtype: torch.dtype | None = None
+    """A tensor passed (source or receiver)."""
+    shape: tuple[int, ...] = ()
+    encoded: bytes = agreement.fact(local=True, default=b"")
+    """The source's typed encoding of its value (for a pickled value: the type's name)."""
+    tensors: tuple[torch.Tensor, ...] = agreement.fact(local=True, default=())
+    """The tensors inside the source's value, in encoding order."""
+
+    def shown(self) -> str:
+        return f"Tensor{self.shape} {self.dtype}" if self.kind == "tensor" else "no tensor"
+
+
+def _broadcast_facts(item: Any, is_source: bool, pickle_ok: bool) -> _BroadcastFacts:
+    if isinstance(item, DTensor):
+        raise TypeError(
+            "broadcast does not take a DTensor (its shards differ per rank); broadcast dtensor.full_tensor() "
+            "or redistribute it instead"
+        )
+    if isinstance(item, torch.Tensor) and type(item) in (torch.Tensor, torch.nn.Parameter):
+        return _BroadcastFacts("tensor", pickle_ok, dtype=item.dtype, shape=tuple(item.shape))
+    if not is_source:
+        return _BroadcastFacts("none" if item is None else "value", pickle_ok)
+    if item is None:
+        return _BroadcastFacts("none", True)
+    encoded, tensors = bytearray(), []
+    try:
+        _encode(item, encoded, tensors)
+    except _Unsupported as exc:
+        if not pickle_ok:
+            raise TypeError(
+                f"broadcast: {exc} values need pickle, which is off (allow_pickle=False or "
+                f"WF_MESH_ALLOW_PICKLE=0); send a typed value (None, bool, int, float, complex, str, bytes, "
+                f"Enum, tensor, or tuples/lists/dicts of these)"
+            ) from None
+        return _BroadcastFacts("pickle", True, encoded=str(exc).encode())
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return _BroadcastFacts("value", True, len(encoded), tensor_bytes, encoded=bytes(encoded), tensors=tuple(tensors))
+
+
 def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allow_pickle: bool | None = None) -> Any:
     """Broadcast ``item`` from the SMALLEST global rank of ``process_group`` to all of its ranks.
 
@@ -195,61 +247,47 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     group's device (CPU on gloo). A receiver may pass anything; a receiver passing a tensor while the source
     sends a tensor must match its ndim and dtype (ShapeMismatchError on every rank otherwise).
 
-    Raises (on every rank, before any data moves): TypeError for a DTensor, or for a value that needs pickle
-    while pickle is off on any rank; ShapeMismatchError as above.
+    Args:
+        item: the source's value (what receivers pass is ignored, but for the tensor check above).
+        process_group: the group to broadcast over, or None.
+        allow_pickle: allow pickling values the typed encoding does not cover (default: the environment,
+            ``WF_MESH_ALLOW_PICKLE``; on by default).
+
+    Returns:
+        The source's value on every rank (the source's own object on the source).
+
+    Raises:
+        TypeError: (on every rank, before any data moves) a DTensor, or a value that needs pickle while
+            pickle is off on any rank.
+        ShapeMismatchError: (on every rank) as above.
     """
     if process_group is None or dist.get_world_size(process_group) == 1:
         return item
     ranks = dist.get_process_group_ranks(process_group)
     is_source = dist.get_rank() == ranks[0]
-    encoded, tensors = bytearray(), []
     pickle_ok = pickle_allowed(allow_pickle)
-
-    def facts() -> list[int]:
-        if isinstance(item, DTensor):
-            raise TypeError(
-                "broadcast does not take a DTensor (its shards differ per rank); broadcast dtensor.full_tensor() "
-                "or redistribute it instead"
-            )
-        if isinstance(item, torch.Tensor) and type(item) in (torch.Tensor, torch.nn.Parameter):
-            return [_TENSOR, agreement.dtype_code(item.dtype), item.ndim, int(pickle_ok), *item.shape]
-        if not is_source:
-            return [_NONE if item is None else _VALUE, -1, 0, int(pickle_ok)]
-        if item is None:
-            return [_NONE, -1, 0, 1]
-        try:
-            _encode(item, encoded, tensors)
-        except _Unsupported as exc:
-            if not pickle_ok:
-                raise TypeError(
-                    f"broadcast: {exc} values need pickle, which is off (allow_pickle=False or "
-                    f"WF_MESH_ALLOW_PICKLE=0); send a typed value (None, bool, int, float, complex, str, bytes, "
-                    f"Enum, tensor, or tuples/lists/dicts of these)"
-                ) from None
-            encoded[:] = str(exc).encode()
-            return [_PICKLE, len(encoded), 0, 1]
-        return [_VALUE, len(encoded), sum(t.numel() * t.element_size() for t in tensors), 1]
-
-    agreed = agreement.agree(process_group, facts, what="broadcast", required=True)
-    kind = agreed.rows[0][0]
-    if kind == _NONE:
+    agreed = agreement.agree(
+        process_group, lambda: _broadcast_facts(item, is_source, pickle_ok), what="broadcast", required=True
+    )
+    src = agreed.rows[0]
+    if src.kind == "none":
         return None
-    if kind == _TENSOR:
+    if src.kind == "tensor":
         return _broadcast_tensor(item, agreed, process_group, is_source)
-    if kind == _PICKLE:
-        return _broadcast_pickled(item, agreed, encoded, process_group, is_source)
+    if src.kind == "pickle":
+        return _broadcast_pickled(item, agreed, process_group, is_source)
     device = agreement.comm_device(process_group)
-    _, size, tensor_bytes, _ = agreed.rows[0]
+    mine = agreed.mine
     data = (
-        torch.frombuffer(encoded, dtype=torch.uint8).to(device)
+        torch.frombuffer(bytearray(mine.encoded), dtype=torch.uint8).to(device)
         if is_source
-        else torch.empty(size, dtype=torch.uint8, device=device)
+        else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
     )
     dist.broadcast(data, group=process_group, group_src=0)
     if is_source:
-        payload = torch.cat([bytes_of(t.detach()).to(device) for t in tensors]) if tensors else None
+        payload = torch.cat([bytes_of(t.detach()).to(device) for t in mine.tensors]) if mine.tensors else None
     else:
-        payload = torch.empty(tensor_bytes, dtype=torch.uint8, device=device) if tensor_bytes else None
+        payload = torch.empty(src.tensor_bytes, dtype=torch.uint8, device=device) if src.tensor_bytes else None
     if payload is not None:
         dist.broadcast(payload, group=process_group, group_src=0)
     if is_source:
@@ -263,46 +301,46 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     return _Decoder(raw, received).value()
 
 
-def _broadcast_tensor(item: Any, agreed: agreement.Agreed, group: dist.ProcessGroup, is_source: bool) -> torch.Tensor:
+def _broadcast_tensor(
+    item: Any, agreed: agreement.Agreed[_BroadcastFacts], group: dist.ProcessGroup, is_source: bool
+) -> torch.Tensor:
     src = agreed.rows[0]
-    dtype, ndim = agreement.DTYPES[src[1]], src[2]
     disagree = [
-        rank for rank, row in zip(agreed.ranks, agreed.rows) if row[0] == _TENSOR and (row[1], row[2]) != (src[1], ndim)
+        rank
+        for rank, row in zip(agreed.ranks, agreed.rows)
+        if row.kind == "tensor" and (row.dtype, len(row.shape)) != (src.dtype, len(src.shape))
     ]
     if disagree:
-        every = ", ".join(
-            f"rank {rank}: {f'Tensor{tuple(row[4 : 4 + row[2]])} {agreement.DTYPES[row[1]]}' if row[0] == _TENSOR else 'no tensor'}"
-            for rank, row in zip(agreed.ranks, agreed.rows)
-        )
+        every = ", ".join(f"rank {rank}: {row.shown()}" for rank, row in zip(agreed.ranks, agreed.rows))
         raise ShapeMismatchError(
             f"broadcast: ranks {disagree} passed tensors that do not match the source's (rank {agreed.ranks[0]}) "
             f"ndim and dtype; receivers pass None or a tensor of the same ndim and dtype: {every}"
         )
     device = agreement.comm_device(group)
-    shape = tuple(src[4 : 4 + ndim])
     data = (
         bytes_of(item.detach()).to(device)
         if is_source
-        else torch.empty(torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+        else torch.empty(torch.Size(src.shape).numel() * src.dtype.itemsize, dtype=torch.uint8, device=device)
     )
     if data.numel():
         dist.broadcast(data, group=group, group_src=0)
-    return item if is_source else tensor_from_bytes(data, dtype, shape)
+    return item if is_source else tensor_from_bytes(data, src.dtype, src.shape)
 
 
 def _broadcast_pickled(
-    item: Any, agreed: agreement.Agreed, type_name: bytearray, group: dist.ProcessGroup, is_source: bool
+    item: Any, agreed: agreement.Agreed[_BroadcastFacts], group: dist.ProcessGroup, is_source: bool
 ) -> Any:
-    refusing = [rank for rank, row in zip(agreed.ranks, agreed.rows) if not row[3]]
+    refusing = [rank for rank, row in zip(agreed.ranks, agreed.rows) if not row.pickle_ok]
     if refusing:
         raise TypeError(
             f"broadcast: the source's value needs pickle and ranks {refusing} turned pickle off "
             "(allow_pickle=False or WF_MESH_ALLOW_PICKLE=0); send a typed value instead"
         )
-    if is_source and type_name.decode() not in _warned:
-        _warned.add(type_name.decode())
+    type_name = agreed.mine.encoded.decode()
+    if is_source and type_name not in _warned:
+        _warned.add(type_name)
         warnings.warn(
-            f"wf_mesh.broadcast: pickling a {type_name.decode()} (not a typed value); pass allow_pickle=False "
+            f"wf_mesh.broadcast: pickling a {type_name} (not a typed value); pass allow_pickle=False "
             "or set WF_MESH_ALLOW_PICKLE=0 to forbid pickle",
             stacklevel=3,
         )

@@ -10,9 +10,9 @@ broadcast_shard (src rank)  one scatter            none (the source's data is no
 ==========================  =====================  ==============================================
 
 Choose ``grad="replicate"`` when every CP rank computes the SAME loss from the gathered tensor (the
-usual case for a gathered output: legacy ``cat_outputs_cp_with_grad``); choose ``grad="partial"`` when
-ranks use the gathered tensor DIFFERENTLY (e.g. all-gathered K/V in attention), so the true gradient of a
-shard is the sum of every rank's contribution.
+usual case for a gathered output); choose ``grad="partial"`` when ranks use the gathered tensor
+DIFFERENTLY (e.g. all-gathered K/V in attention), so the true gradient of a shard is the sum of every
+rank's contribution.
 
 Shards are plain local tensors by default, so the obvious loop works with ordinary modules::
 
@@ -36,6 +36,7 @@ one rank raises the same error on every rank instead of hanging or silently mixi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -75,8 +76,7 @@ def require_live(mesh: DeviceMesh, what: str) -> None:
     """StateError, naming ``what``, if ``mesh``'s process groups were destroyed."""
     if not _compat.mesh_is_live(mesh):
         raise StateError(
-            f"{what} ({mesh}) belongs to a destroyed mesh (destroy_model_parallel / ParallelMesh.destroy); "
-            "build tensors on the current mesh"
+            f"{what} ({mesh}) belongs to a destroyed mesh (ParallelMesh.destroy); build tensors on the current mesh"
         )
 
 
@@ -150,6 +150,49 @@ def _require_mesh(x: DTensor, mesh: DeviceMesh, what: str) -> None:
 
 
 # ---- gather -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _GatherFacts(agreement.Facts):
+    input: str = agreement.fact(label="DTensor-or-plain input", choices=("plain tensor", "DTensor"))
+    seq_dim: int
+    seq_len: int | None
+    """The global length: a DTensor's, or the ``seq_len`` given (None: the sum of the local lengths)."""
+    grad: str = agreement.fact(choices=_GRAD_RULES)
+    dtype: torch.dtype
+    local_shape: tuple[int, ...]
+
+    @property
+    def local_len(self) -> int:
+        return self.local_shape[self.seq_dim]
+
+    def other_dims(self) -> str:
+        """The dtype and the dims other than seq_dim, as messages show them."""
+        shape = self.local_shape
+        return f"{self.dtype} {(*shape[: self.seq_dim], '*', *shape[self.seq_dim + 1 :])}"
+
+
+def _gather_facts(
+    x: torch.Tensor, seq_dim: int | None, seq_len: int | None, grad: str, mesh: DeviceMesh
+) -> _GatherFacts:
+    """This rank's checks of a gather_sequence call, as its record."""
+    if grad not in _GRAD_RULES:
+        raise ValueError(f"grad={grad!r}: use 'replicate' or 'partial'")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor or DTensor, got {type(x).__name__}")
+    if isinstance(x, DTensor):
+        _require_mesh(x, mesh, "gather_sequence")
+        (placement,) = x.placements
+        if not isinstance(placement, Shard):
+            raise ValueError(f"gather_sequence needs a DTensor placed Shard(dim), got {x.placements}")
+        if seq_dim is not None and normalize_dim(seq_dim, x.ndim) != placement.dim:
+            raise ValueError(f"seq_dim={seq_dim} but the DTensor is sharded on dim {placement.dim}")
+        local_shape = tuple(_compat.dtensor_local(x).shape)
+        return _GatherFacts("DTensor", placement.dim, x.shape[placement.dim], grad, x.dtype, local_shape)
+    if seq_dim is None:
+        raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")
+    total = None if seq_len is None else as_int("seq_len", seq_len, minimum=0)
+    return _GatherFacts("plain tensor", normalize_dim(seq_dim, x.ndim), total, grad, x.dtype, tuple(x.shape))
+
+
 def gather_sequence(
     x: torch.Tensor,
     seq_dim: int | None = None,
@@ -166,40 +209,27 @@ def gather_sequence(
     ``torch.chunk`` sizing over the cp ranks. ``grad`` chooses the backward rule (module docstring).
 
     Ranks agree first on DTensor-or-plain, dim, global length, dtype and the other dims (one tiny
-    all-gather): any disagreement or bad argument raises on every rank (ShapeMismatchError, IndexError,
-    TypeError, ValueError) before data moves. With checks off (``WF_MESH_CHECKS=0``), a plain ``x`` of an
-    uneven split needs ``seq_len`` (the default is then local length x cp size).
+    all-gather): any disagreement or bad argument raises on every rank before data moves. With checks off
+    (``WF_MESH_CHECKS=0``), a plain ``x`` of an uneven split needs ``seq_len`` (the default is then local
+    length x cp size).
+
+    Raises:
+        ShapeMismatchError: shards that disagree on dtype or the other dims, or that are not the
+            ``torch.chunk`` shards of the global length.
+        DisagreementError: ranks that disagree on ``seq_dim``, ``seq_len``, ``grad`` or DTensor-or-plain.
+        IndexError, TypeError, ValueError: a bad argument on any rank.
     """
     dtensor = isinstance(x, DTensor)
     group_mesh = cp_mesh(mesh if mesh is not None or not dtensor else x.device_mesh)
-
-    def facts() -> list[int]:
-        if grad not in _GRAD_RULES:
-            raise ValueError(f"grad={grad!r}: use 'replicate' or 'partial'")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor or DTensor, got {type(x).__name__}")
-        if dtensor:
-            _require_mesh(x, group_mesh, "gather_sequence")
-            (placement,) = x.placements
-            if not isinstance(placement, Shard):
-                raise ValueError(f"gather_sequence needs a DTensor placed Shard(dim), got {x.placements}")
-            if seq_dim is not None and normalize_dim(seq_dim, x.ndim) != placement.dim:
-                raise ValueError(f"seq_dim={seq_dim} but the DTensor is sharded on dim {placement.dim}")
-            dim, total, local_shape = placement.dim, x.shape[placement.dim], _compat.dtensor_local(x).shape
-        else:
-            if seq_dim is None:
-                raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")
-            dim, local_shape = normalize_dim(seq_dim, x.ndim), x.shape
-            total = -1 if seq_len is None else as_int("seq_len", seq_len, minimum=0)
-        return [int(dtensor), dim, total, _GRAD_RULES.index(grad), agreement.dtype_code(x.dtype), x.ndim, *local_shape]
-
-    agreed = agreement.agree(group_mesh.get_group(), facts, what="gather_sequence")
+    agreed = agreement.agree(
+        group_mesh.get_group(), lambda: _gather_facts(x, seq_dim, seq_len, grad, group_mesh), what="gather_sequence"
+    )
     parts, index = group_mesh.size(), group_mesh.get_local_rank()
-    total = _agreed_length(agreed, parts) if agreed is not None else None
+    total = _agreed_length(agreed, parts) if agreed.exchanged else None
     if dtensor:
         local = x
     else:
-        dim = normalize_dim(seq_dim, x.ndim)
+        dim = agreed.mine.seq_dim
         if total is None:  # checks off: trust seq_len, or even shards
             total = seq_len if seq_len is not None else x.shape[dim] * parts
             if x.shape[dim] != chunk_sizes(total, parts)[index]:
@@ -212,34 +242,44 @@ def gather_sequence(
     return local.full_tensor(grad_placements=[grad_placement])
 
 
-def _agreed_length(agreed: agreement.Agreed, parts: int) -> int:
+def _agreed_length(agreed: agreement.Agreed[_GatherFacts], parts: int) -> int:
     """The global length every rank agreed on; ShapeMismatchError (on every rank) if shards do not fit it."""
-    agreed.require_same("DTensor-or-plain input", lambda r: "DTensor" if r[0] else "plain tensor")
-    agreed.require_same("seq_dim", lambda r: r[1])
-    agreed.require_same("seq_len", lambda r: None if r[2] < 0 else r[2])
-    agreed.require_same("grad", lambda r: _GRAD_RULES[r[3]])
+    for name in ("input", "seq_dim", "seq_len", "grad"):
+        agreed.require_same(name)
     agreed.require_same(
-        "dtype and the dims other than seq_dim",
-        lambda r: f"{agreement.DTYPES[r[4]]} {_without(r[6:], r[1])}",
-        error=ShapeMismatchError,
+        key=_GatherFacts.other_dims, label="dtype and the dims other than seq_dim", error=ShapeMismatchError
     )
-    lengths = [r[6 + r[1]] for r in agreed.rows]
-    total = agreed.rows[0][2] if agreed.rows[0][2] >= 0 else sum(lengths)
+    lengths = [row.local_len for row in agreed.rows]
+    total = agreed.mine.seq_len if agreed.mine.seq_len is not None else sum(lengths)
     expected = chunk_sizes(total, parts)
     if lengths != expected:
         shards = ", ".join(f"rank {r}: {n}" for r, n in zip(agreed.ranks, lengths))
         raise ShapeMismatchError(
-            f"gather_sequence: local lengths along dim {agreed.rows[0][1]} ({shards}) are not torch.chunk shards of "
-            f"a sequence of {total} over {parts} ranks, which are {expected}"
+            f"gather_sequence: local lengths along dim {agreed.mine.seq_dim} ({shards}) are not torch.chunk shards "
+            f"of a sequence of {total} over {parts} ranks, which are {expected}"
         )
     return total
 
 
-def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    return tuple(shape[:dim]) + ("*",) + tuple(shape[dim + 1 :])
-
-
 # ---- broadcast shard --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _ScatterFacts(agreement.Facts):
+    seq_dim: int
+    dtype: torch.dtype | None = None
+    """The source's tensor (None: the source passes None); receivers leave it out."""
+    shape: tuple[int, ...] = ()
+
+
+def _scatter_facts(x: torch.Tensor | None, seq_dim: int, source: bool) -> _ScatterFacts:
+    seq = as_int("seq_dim", seq_dim)
+    if not source or x is None:
+        return _ScatterFacts(seq)
+    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+        raise TypeError(f"broadcast_shard: the source must pass a plain tensor or None, got {type(x).__name__}")
+    normalize_dim(seq, x.ndim)
+    return _ScatterFacts(seq, x.dtype, tuple(x.shape))
+
+
 def broadcast_shard(
     x: torch.Tensor | None,
     seq_dim: int,
@@ -251,34 +291,32 @@ def broadcast_shard(
 
     Receivers may pass None (or any tensor: it is ignored). The source's shape and dtype travel in the
     agreement exchange, so every rank allocates just its shard: each receiver gets ``1/cp`` of the bytes a
-    broadcast would move. Any dtype. If the source passes None, every rank gets None. Returns a plain
-    tensor (a DTensor ``Shard(seq_dim)`` with ``as_dtensor=True``), on the group's device.
+    broadcast would move. Any dtype. If the source passes None, every rank gets None.
+
+    Returns:
+        This rank's shard as a plain tensor (a DTensor ``Shard(seq_dim)`` with ``as_dtensor=True``), on the
+        group's device; None if the source passed None.
+
+    Raises:
+        TypeError: (on every rank) the source passes something else than a plain tensor or None, or a
+            ``seq_dim`` that is not an int.
+        IndexError: ``seq_dim`` out of range for the source's tensor on any rank.
+        DisagreementError: ranks that name different dims.
     """
     mesh = cp_mesh(mesh)
     group = mesh.get_group()
     parts, index = mesh.size(), mesh.get_local_rank()
     source = index == 0
-
-    def facts() -> list[int]:
-        seq = as_int("seq_dim", seq_dim)
-        if not source:
-            return [seq]
-        if x is None:
-            return [seq, 0]
-        if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
-            raise TypeError(f"broadcast_shard: the source must pass a plain tensor or None, got {type(x).__name__}")
-        return [seq, 1, agreement.dtype_code(x.dtype), x.ndim, *x.shape, normalize_dim(seq, x.ndim)]
-
-    agreed = agreement.agree(group, facts, what="broadcast_shard", required=True)
+    agreed = agreement.agree(group, lambda: _scatter_facts(x, seq_dim, source), what="broadcast_shard", required=True)
     src = agreed.rows[0]
-    if src[1] == 0:
+    if src.dtype is None:
         return None
-    dtype, ndim = agreement.DTYPES[src[2]], src[3]
-    shape, dim = torch.Size(src[4 : 4 + ndim]), src[4 + ndim]
-    bad = [(rank, r[0]) for rank, r in zip(agreed.ranks, agreed.rows) if not -ndim <= r[0] < ndim]
+    dtype, shape, ndim = src.dtype, torch.Size(src.shape), len(src.shape)
+    bad = [(rank, r.seq_dim) for rank, r in zip(agreed.ranks, agreed.rows) if not -ndim <= r.seq_dim < ndim]
     if bad:
         raise IndexError(f"broadcast_shard: seq_dim out of range for the source's {ndim}-D tensor on ranks {bad}")
-    agreed.require_same("seq_dim", lambda r: r[0] % ndim)
+    agreed.require_same(key=lambda r: r.seq_dim % ndim, label="seq_dim")
+    dim = src.seq_dim % ndim
     sizes = chunk_sizes(shape[dim], parts)
     device = agreement.comm_device(group)
     chunks = None

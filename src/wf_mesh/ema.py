@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -60,13 +60,14 @@ class LocalShards:
         self._attrs: list[str] = []
         seen: set[int] = set()
         for prefix, module in model.named_modules():
-            for attr, param in module._parameters.items():
+            registry = _compat.parameter_registry(module)
+            for attr, param in registry.items():
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))
                 self.names.append(f"{prefix}.{attr}" if prefix else attr)
                 self.params.append(param)
-                self._dicts.append(module._parameters)
+                self._dicts.append(registry)
                 self._attrs.append(attr)
         self.locals = [local_shard(p) for p in self.params]
         self._dtensors = [p for p in self.params if isinstance(p, DTensor)]
@@ -107,6 +108,10 @@ def check_same_layout(
             )
 
 
+def _spec(t: torch.Tensor) -> tuple:
+    return t.device, t.dtype, t.shape
+
+
 class ForeachPlan:
     """``dst``/``src`` shard pairs grouped by (device, dst dtype, src dtype) for foreach kernels, built once."""
 
@@ -118,19 +123,25 @@ class ForeachPlan:
                 ds.append(d)
                 ss.append(s)
         self.groups = [(d_dtype == s_dtype, ds, ss) for (_, d_dtype, s_dtype), (ds, ss) in groups.items()]
+        self._specs = [_spec(t) for _, ds, ss in self.groups for t in (*ds, *ss)]
+
+    def stale(self) -> bool:
+        """Whether a tensor of the plan changed device, dtype or shape in place since it was built (e.g.
+        ``model.half()`` keeps the parameter objects but swaps their data): its groups no longer fit."""
+        return [_spec(t) for _, ds, ss in self.groups for t in (*ds, *ss)] != self._specs
 
     def lerp_(self, weight: float) -> None:
         """``dst += weight * (src - dst)``, i.e. ``dst = (1 - weight) * dst + weight * src``."""
         for same_dtype, ds, ss in self.groups:
             if same_dtype:
-                torch._foreach_lerp_(ds, ss, weight)
+                _compat.foreach_lerp_(ds, ss, weight)
             else:
-                torch._foreach_mul_(ds, 1.0 - weight)
-                torch._foreach_add_(ds, ss, alpha=weight)
+                _compat.foreach_mul_(ds, 1.0 - weight)
+                _compat.foreach_add_(ds, ss, alpha=weight)
 
     def copy_(self) -> None:
         for _, ds, ss in self.groups:
-            torch._foreach_copy_(ds, ss)
+            _compat.foreach_copy_(ds, ss)
 
 
 def check_beta(beta: float) -> float:
@@ -186,11 +197,23 @@ class ShardedEMA:
             self._bind(source)
         return self._source.locals
 
-    def _run(self, model: nn.Module, op: str, apply) -> None:
+    def _run(self, model: nn.Module, op: str, apply: Callable[[], None]) -> None:
+        """``apply()`` the plans to ``model``'s shards; plan again once if they went stale under it.
+
+        The per-call check (:meth:`LocalShards.matches`) sees replaced parameters and shards, not a parameter
+        whose data changed dtype or device in place (``model.half()``, ``model.to(...)``); checking every
+        tensor's dtype per call would cost more than the update, so such a change shows as the foreach kernel
+        failing. Only that failure is retried, after the plans are rebuilt from the model: any other error
+        (out of memory included) propagates as it is.
+        """
         self._sync(model, op)
         try:
             apply()
-        except RuntimeError:  # e.g. model.half() kept the parameters but changed their dtype: plan again
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            if not (self._pull.stale() or self._push.stale()):
+                raise
             self._sync(model, op, force=True)
             apply()
 
@@ -215,14 +238,14 @@ class ShardedEMA:
         with torch.no_grad():
             shards = self._sync(model, "swapped_into")
             backup = [torch.empty_like(t) for t in shards]
-            torch._foreach_copy_(backup, shards)
+            _compat.foreach_copy_(backup, shards)
             self._push.copy_()
         try:
             yield model
         finally:
             with torch.no_grad():
                 _compat.reshard_fsdp_modules(model)
-                torch._foreach_copy_(shards, backup)
+                _compat.foreach_copy_(shards, backup)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``{parameter name: EMA}``; DTensor parameters give DTensors with the parameter's mesh, placements

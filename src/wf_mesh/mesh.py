@@ -184,7 +184,7 @@ class ParallelMesh:
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's ``axis`` group, in group order."""
-        return self[axis].mesh.flatten().tolist()
+        return device_mesh_ranks(self[axis])
 
     # ---- FSDP2 views --------------------------------------------------------------------------------
     def fsdp_mesh(self) -> DeviceMesh:
@@ -469,6 +469,11 @@ def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts) -
         if bool((grid == rank).any()):
             mine = view
     return mine
+
+
+def device_mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """Global ranks of ``mesh``, flattened in its order (row-major): group-rank order for a 1-D mesh."""
+    return mesh.mesh.flatten().tolist()
 
 
 def get_parallel_mesh() -> ParallelMesh:

@@ -5,7 +5,7 @@ Which one to use:
 - :class:`PipelineP2P`: loops that move tensors between stages themselves. Inference and denoising loops
   (stage 0 pre-posts the receive of the next step's latent, every stage forwards its activations, the last
   stage sends back to stage 0), custom overlap, anything that is not a training microbatch schedule. You own
-  the order and the shapes. (The legacy ``PPScheduler`` of ``wf_mesh.legacy.pipeline`` is a subclass.)
+  the order and the shapes.
 - :func:`build_pipeline_stage`: training with microbatches. It wraps this rank's stage module in a
   ``torch.distributed.pipelining.PipelineStage`` placed by the mesh (stage index = pp rank, stage count = pp
   size, group = the pp group); drive it with ``ScheduleGPipe``, ``Schedule1F1B`` or another torch schedule,
@@ -42,6 +42,7 @@ may be waited any number of times; gloo's own work, waited a second time, blocks
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,6 +61,22 @@ __all__ = ["P2PWork", "PendingRecv", "PipelineP2P", "build_pipeline_stage"]
 
 Peer = Literal["next", "prev"]
 _HEADER = "pipeline payload"  # the header's call name: a row of any other origin is not a header
+
+
+@dataclasses.dataclass(frozen=True)
+class _PayloadHeader(agreement.Facts):
+    """What checked mode sends before every payload."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"shape {self.shape} dtype {self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinkFacts(agreement.Facts):
+    checked: bool
 
 
 class P2PWork:
@@ -126,8 +143,7 @@ class _Headers:
         self.unsettled: dict[int, PendingRecv] = {}  # per peer: the receive whose header is not handled yet
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        facts = [agreement.dtype_code(tensor.dtype), tensor.ndim, *tensor.shape]
-        return agreement.header_row(_HEADER, facts, self.link.device)
+        return agreement.header_row(_HEADER, _PayloadHeader(tensor.dtype, tuple(tensor.shape)), self.link.device)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(agreement.ROW, dtype=torch.int64, device=self.link.device)
@@ -156,25 +172,20 @@ class _Headers:
         """``(where the payload goes, error or None)``: ``buffer`` if the header matches it, else a scratch
         buffer of the sender's dtype and shape (the payload is drained so the link stays in step)."""
         link = self.link
-        facts = agreement.read_header(header, _HEADER)
-        if facts is None:
+        sent = agreement.read_header(header, _HEADER, _PayloadHeader)
+        if sent is None:
             raise ValueError(
                 f"checked receive on pp stage {link.stage} from global rank {link.ranks[src]}: what arrived is not "
                 "a checked-mode header (the sender does not use checked mode on this link)"
             )
-        dtype, shape = agreement.DTYPES[facts[0]], tuple(facts[2 : 2 + facts[1]])
-        if (shape, dtype) == (tuple(buffer.shape), buffer.dtype):
+        expected = _PayloadHeader(buffer.dtype, tuple(buffer.shape))
+        if sent == expected:
             return buffer, None
         message = (
             f"checked receive on pp stage {link.stage} from pp stage {src} (global rank {link.ranks[src]}): "
-            f"expected {_describe(buffer.shape, buffer.dtype)}, received {_describe(shape, dtype)} "
-            "(the payload was drained; the link stays usable)"
+            f"expected {expected}, received {sent} (the payload was drained; the link stays usable)"
         )
-        return torch.empty(shape, dtype=dtype, device=link.device), message
-
-
-def _describe(shape: Sequence[int], dtype: torch.dtype) -> str:
-    return f"shape {tuple(shape)} dtype {dtype}"
+        return torch.empty(sent.shape, dtype=sent.dtype, device=link.device), message
 
 
 class PipelineP2P:
@@ -209,8 +220,10 @@ class PipelineP2P:
         self._pending_sends: deque[dist.Work] = deque()
         self._headers = _Headers(self) if self.checked else None
         if self.num_stages > 1:  # both ends of every link must speak the same protocol
-            agreed = agreement.agree(self.group, lambda: [int(self.checked)], what=type(self).__name__, required=True)
-            agreed.require_same("checked", lambda r: bool(r[0]), hint="; every stage must use the same mode")
+            agreed = agreement.agree(
+                self.group, lambda: _LinkFacts(self.checked), what=type(self).__name__, required=True
+            )
+            agreed.require_same("checked", hint="; every stage must use the same mode")
 
     @property
     def is_first(self) -> bool:

@@ -23,6 +23,7 @@ corrupt the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterator
 
@@ -114,6 +115,27 @@ def _replica_problem(name: str, tensor: DTensor, replicas: list[int], given: str
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _ReplicaFacts(agreement.Facts):
+    bucket_bytes: int
+    tensors: int
+    elements: int
+    layout_crc: int
+    """crc32 of every tensor's name, dtype and local shape."""
+
+
+def _replica_facts(
+    named: list[tuple[str, torch.Tensor]], replicas: list[int], given: str, bucket_bytes: int
+) -> _ReplicaFacts:
+    size = as_int("bucket_bytes", bucket_bytes, minimum=1)
+    memo: dict = {}
+    for name, tensor in named:
+        if isinstance(tensor, DTensor) and (problem := _replica_problem(name, tensor, replicas, given, memo)):
+            raise ValueError(problem)
+    layout = repr([(n, str(t.dtype), tuple(local_shard(t).shape)) for n, t in named]).encode()
+    return _ReplicaFacts(size, len(named), sum(local_shard(t).numel() for _, t in named), zlib.crc32(layout))
+
+
 @torch.no_grad()
 def broadcast_dtensor_model_states(
     model: nn.Module,
@@ -153,20 +175,16 @@ def broadcast_dtensor_model_states(
     replicas = dist.get_process_group_ranks(group)
     given = f"axis {replicate_axis!r} of the mesh given"
 
-    def facts() -> list[int]:
-        size = as_int("bucket_bytes", bucket_bytes, minimum=1)
-        memo: dict = {}
-        for name, tensor in named:
-            if isinstance(tensor, DTensor) and (problem := _replica_problem(name, tensor, replicas, given, memo)):
-                raise ValueError(problem)
-        layout = repr([(n, str(t.dtype), tuple(local_shard(t).shape)) for n, t in named]).encode()
-        return [size, len(named), sum(local_shard(t).numel() for _, t in named), zlib.crc32(layout)]
-
-    agreed = agreement.agree(group, facts, what="broadcast_dtensor_model_states", required=True)
-    agreed.require_same("bucket_bytes", lambda r: r[0])
+    agreed = agreement.agree(
+        group,
+        lambda: _replica_facts(named, replicas, given, bucket_bytes),
+        what="broadcast_dtensor_model_states",
+        required=True,
+    )
+    agreed.require_same("bucket_bytes")
     agreed.require_same(
-        "the model layout (tensors, elements, crc of names/dtypes/shapes)",
-        lambda r: (r[1], r[2], f"{r[3]:08x}"),
+        key=lambda r: (r.tensors, r.elements, f"{r.layout_crc:08x}"),
+        label="the model layout (tensors, elements, crc of names/dtypes/shapes)",
         hint="; every rank of a replicate group must hold the same parameters and buffers, sharded the same way",
     )
     tensors = [local_shard(t).detach() for _, t in named]
@@ -184,5 +202,5 @@ def broadcast_dtensor_model_states(
         dist.broadcast(flat, group=group, group_src=0)
         if not source:
             views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in members]), members)]
-            torch._foreach_copy_(members, views)
+            _compat.foreach_copy_(members, views)
     return len(buckets)

@@ -49,7 +49,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalCluster", "RemoteTraceback", "get_cluster", "run_distributed", "shutdown_clusters"]
+__all__ = [
+    "LocalCluster",
+    "RemoteTraceback",
+    "c10d_ops",
+    "destroy_subgroups",
+    "get_cluster",
+    "process_group_counts",
+    "run_distributed",
+    "shutdown_clusters",
+]
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds a function may run on the cluster before the call fails and the cluster is restarted."""
@@ -174,10 +183,10 @@ def _store_barrier(store: dist.Store, key: str, world_size: int) -> None:
 
 def _cleanup() -> None:
     """Leave the worker as it started: no mesh, no subgroups, no legacy state, only the default group."""
-    from wf_mesh import _compat, parallel_state
+    from wf_mesh import parallel_state
 
     parallel_state.destroy_model_parallel()
-    _compat.destroy_subgroups()
+    destroy_subgroups()
     gc.collect()
 
 
@@ -379,3 +388,52 @@ def shutdown_clusters() -> None:
 
 
 atexit.register(shutdown_clusters)
+
+
+# ---- observing process groups and c10d ops (tests and benchmarks) ---------------------------------------
+def process_group_counts() -> tuple[int, int]:
+    """``(process groups this rank holds, new_group calls made so far in this process)``.
+
+    Non-member ``new_group`` calls create no group on this rank but still advance torch's group counter.
+    """
+    from wf_mesh import _compat
+
+    return len(_compat.process_groups()), _compat.new_group_calls()
+
+
+def destroy_subgroups() -> None:
+    """Destroy every process group except the default one (the clean-up between tests), and DTensor's caches
+    (meshes built outside wf_mesh, with ``init_device_mesh``, lost their groups too)."""
+    from wf_mesh import _compat
+
+    if not dist.is_initialized():
+        return
+    default = dist.group.WORLD
+    for pg in _compat.process_groups():
+        if pg is not default:
+            dist.destroy_process_group(pg)
+    _compat.clear_dtensor_caches()
+
+
+def c10d_ops(on_op: Callable[[str, tuple], None]) -> Any:
+    """A context manager in which ``on_op(name, args)`` sees every ``c10d`` op dispatched on this thread (and in
+    autograd's backward), collectives and point-to-point alike, before it runs.
+
+    CommDebugMode counts collectives only; this counts ``send`` / ``recv_`` too.
+
+    Args:
+        on_op: called with the op's name (``"send"``, ``"recv_"``, ``"alltoall_base_"``,
+            ``"_allgather_base_"``, ...) and its arguments.
+
+    Returns:
+        The dispatch mode, to use in a ``with`` statement.
+    """
+    from wf_mesh import _compat
+
+    class C10dOps(_compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                on_op(str(func).split(".")[1], args)
+            return func(*args, **(kwargs or {}))
+
+    return C10dOps()

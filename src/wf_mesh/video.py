@@ -1,4 +1,4 @@
-"""Context-parallel split of video latents ``(B, C, T, H, W)``: time first, then height (``find_split``).
+"""Context-parallel split of video latents ``(B, C, T, H, W)``: time first, then height.
 
 The cp ranks form a ``cp_t x cp_h`` grid (time-major): cp rank ``r`` holds the block
 ``t in [i*T', (i+1)*T')``, ``h in [j*H', (j+1)*H')``, all of W, where ``i, j = divmod(r, cp_h)``. Its tokens
@@ -48,7 +48,7 @@ class VideoSplit:
 
     @property
     def local_thw(self) -> tuple[int, int, int]:
-        """``(T', H', W)`` of each rank's block (what ``find_split`` returns)."""
+        """``(T', H', W)`` of each rank's block."""
         return self.t // self.cp_t, self.h // self.cp_h, self.w
 
     @property
@@ -129,8 +129,7 @@ def plan_video_split(
     """Plan the CP split of a ``(B, C, T, H, W)`` latent over ``cp_size`` ranks: time first, then height.
 
     Walking T then H with ``remaining = cp_size``: ``g = gcd(size // patch, remaining)`` ranks split that dim
-    and ``remaining //= g``; width is never split. Pure (no collective, no global state; the legacy
-    ``find_split`` is this plus ``parallel_state.cp_size_t``).
+    and ``remaining //= g``; width is never split. Pure: no collective, no global state.
 
     Raises:
         TypeError: a size, ``cp_size`` or patch value that is not an int.
