@@ -339,6 +339,8 @@ class Agreed(Generic[F]):
         """
         if self.rows is None:
             return
+        if names and self.rows and not isinstance(self.rows[0], Facts):  # transitional: int-list (label, key) calls
+            label, key = names[0], names[1] if len(names) > 1 else (lambda r: r)  # type: ignore[assignment]
         if key is None:
             if not names:
                 raise TypeError("require_same needs field names or a key")
