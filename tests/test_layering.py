@@ -23,6 +23,7 @@ LAYERS = {
         "attention",
         "attention_ops",
         "log",
+        "bootstrap",
     ],
     4: ["parallel_state", "legacy", "compat"],  # the legacy layer: legacy names and state
     5: ["viz", "testing", "process_tree", "cli", "demo", "__init__", "__main__"],  # surface
