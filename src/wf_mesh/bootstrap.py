@@ -365,8 +365,6 @@ def init_from_env(
         device = _bind_cuda(env) if device_type == "cuda" else torch.device("cpu")
         if env.launcher == "none":
             logger.info("init_from_env: no launcher (RANK, WORLD_SIZE, SLURM_PROCID not set): a single process")
-        else:
-            logger.debug(f"init_from_env: {env.describe()}")
         _start_process_group(env, backend, device, timeout)
     else:
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
