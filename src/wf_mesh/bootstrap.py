@@ -71,6 +71,7 @@ class LaunchEnv:
     """
 
     launcher: str
+    """One of :data:`LAUNCHERS`."""
     rank: int
     world_size: int
     local_rank: int | None
@@ -86,11 +87,6 @@ class LaunchEnv:
             return "env://"  # torchrun's agent may share its store through the environment
         host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr  # IPv6
         return f"tcp://{host}:{self.master_port}"
-
-    def describe(self) -> str:
-        """One line for logs: who launched this process and where it meets its peers."""
-        where = "a private store" if self.master_addr is None else f"{self.master_addr}:{self.master_port}"
-        return f"{self.launcher}: rank {self.rank} of {self.world_size}, rendezvous at {where}"
 
 
 def first_host(nodelist: str) -> str:
