@@ -30,6 +30,7 @@ Run::
 
     python examples/train_video_dit.py                                  # one process, no launcher
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2      # dp 2 x cp 2, ring attention
+    srun --ntasks-per-node 4 python examples/train_video_dit.py --cp 2  # SLURM: one task per process
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --cp-method usp --cp-ulysses 2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 examples/train_video_dit.py --ckpt-dir ckpt --save-every 2
 
@@ -233,18 +234,13 @@ def main(argv: list[str] | None = None) -> dict:
          "weights" / "ema": {parameter name: full fp32 CPU tensor} after the last step,
          "digest": a short sha256 of the final weights}
 
-    Uses the process group if one is initialized (e.g. a ``wf_mesh.testing`` worker), otherwise creates it
-    (torchrun's environment, or a world of one); tears down what it created.
+    Starts through :func:`wf_mesh.init_from_env`: it uses the process group if one is initialized (e.g. a
+    ``wf_mesh.testing`` worker), otherwise creates it (torchrun's or SLURM's environment, or a world of one),
+    and on leaving the ``with`` block tears down what it created.
     """
     args = parse_args(argv)
-    owns_process_group = not dist.is_initialized()
-    mesh = wf_mesh.dist_init({"cp_size": args.cp, "cp_ulysses_size": args.cp_ulysses})
-    try:
-        return train(args, mesh)
-    finally:
-        wf_mesh.destroy_model_parallel()
-        if owns_process_group:
-            dist.destroy_process_group()
+    with wf_mesh.init_from_env(wf_mesh.ParallelDims(cp=args.cp, cp_ulysses=args.cp_ulysses)) as session:
+        return train(args, session.mesh)
 
 
 def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:

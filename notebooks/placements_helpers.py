@@ -110,7 +110,7 @@ def redistribute_costs(shape: tuple[int, ...] = (4, 8, 6), transitions=TRANSITIO
 def fsdp_ema_shards(dp_replicate: int | None = None, steps: int = 2) -> dict:
     """FSDP2 (``fully_shard`` over the dp_cp axis, or HSDP with ``dp_replicate``) on a tiny MLP, a few AdamW
     steps with :class:`~wf_mesh.ShardedEMA`; return the placement views (text and HTML) of the first Linear's
-    weight ``(out, in)`` and of its EMA shard."""
+    weight ``(out, in)`` and of its EMA shard, and the weight's placements and local shape."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_parallel(ParallelDims(cp=2), dp_replicate=dp_replicate)
@@ -134,6 +134,8 @@ def fsdp_ema_shards(dp_replicate: int | None = None, steps: int = 2) -> dict:
         "ema": str(ema_view),
         "ema_local": tuple(ema_weight.to_local().shape),
         "ema_dtype": str(ema_weight.dtype),
+        "weight_placements": [str(p) for p in model[0].weight.placements],
+        "weight_local": tuple(model[0].weight.to_local().shape),
     }
 
 

@@ -2,9 +2,10 @@
 asserts hold; the README's `wf-mesh plan` commands run. (`.ci/run` runs the two install commands.)
 
 First-line conventions: ``# single process`` (run in a 1-rank cluster worker), ``# torchrun --nproc-per-node N
-name.py`` (run on every rank of an N-rank cluster, where ``dist_init`` finds torch.distributed initialized as
-torchrun would have it; one block also runs under a real torchrun), ``# python name.py`` (written to a file and
-run as a script).
+name.py`` (run on every rank of an N-rank cluster, where ``init_from_env`` finds torch.distributed initialized
+as torchrun would have it; one block also runs under a real torchrun), ``# python name.py`` (written to a file
+and run as a script). Blocks are judged by their own asserts: a block passes when it runs to its end (a script:
+exit code 0), and the commands by their exit code.
 """
 
 import os
@@ -59,7 +60,10 @@ def test_block_runs_as_written(name, world, kind, source):
 def test_script_block_runs_as_a_script(name, world, kind, source, tmp_path):
     script = tmp_path / name
     script.write_text(source)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE") and not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -69,10 +73,11 @@ def test_a_torchrun_block_runs_under_torchrun(tmp_path):
     script = tmp_path / name
     script.write_text(source)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "cp group [" in proc.stdout + proc.stderr  # rank 0's print_rank_0 line
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # every rank ran the block's asserts to the end
 
 
 PLAN_COMMANDS = re.findall(r"^(wf-mesh plan .*)$", README.read_text(), flags=re.M)
@@ -82,7 +87,7 @@ PLAN_COMMANDS = re.findall(r"^(wf-mesh plan .*)$", README.read_text(), flags=re.
 def test_plan_commands_run(command):
     args = shlex.split(command)[1:]
     proc = subprocess.run([sys.executable, "-m", "wf_mesh.cli", *args], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "world" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
 def test_ci_runs_the_readme_commands_as_written():

@@ -1,4 +1,5 @@
-"""dist_init: config and environment validation, CPU/gloo initialization, idempotence."""
+"""dist_init (the legacy wrapper over init_from_env): config and environment validation, CPU/gloo
+initialization, idempotence."""
 
 import json
 import os
@@ -68,6 +69,13 @@ def test_environment_errors_name_the_variable(monkeypatch):
         wf_mesh.dist_init(CONFIG)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(
+        RuntimeError, match="dist_init: RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT not"
+    ):
+        wf_mesh.dist_init(CONFIG)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")  # never reached: the degrees are refused first
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -124,6 +132,7 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_without_a_launcher_it_runs_as_one_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         env={**env, "CUDA_VISIBLE_DEVICES": ""},
@@ -133,4 +142,4 @@ def test_without_a_launcher_it_runs_as_one_process():
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["gloo", 1, {"tp": 0, "cp": 0, "pp": 0, "dp": 0}, "cpu"]
-    assert "RANK and WORLD_SIZE are not set (no launcher): running as a single process" in out.stderr
+    assert "init_from_env: no launcher (RANK, WORLD_SIZE, SLURM_PROCID not set): a single process" in out.stderr

@@ -2,6 +2,8 @@
 
 Native API (mesh first):
     ParallelDims           pure topology: degrees, order, rank <-> coordinates, groups (no processes needed)
+    init_from_env          start torch.distributed from torchrun / SLURM / nothing and build the mesh; a session
+                           (context manager, close()) that tears down what it started
     init_parallel          build the ParallelMesh (one init_device_mesh + derived axes) and make it current
     get_parallel_mesh      the current mesh (raises if none); parallel_mesh_or_none() returns None instead
     ParallelMesh           mesh[axis] -> DeviceMesh, .group/.rank/.size/.ranks(axis), .destroy()
@@ -48,6 +50,9 @@ _EXPORTS: dict[str, str] = {
     "get_parallel_mesh": "wf_mesh.mesh",
     "init_parallel": "wf_mesh.mesh",
     "parallel_mesh_or_none": "wf_mesh.mesh",
+    "DistributedSession": "wf_mesh.bootstrap",
+    "LaunchEnv": "wf_mesh.bootstrap",
+    "init_from_env": "wf_mesh.bootstrap",
     "DegreeError": "wf_mesh.errors",
     "DisagreementError": "wf_mesh.errors",
     "IndivisibleSequenceError": "wf_mesh.errors",

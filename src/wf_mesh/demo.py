@@ -11,14 +11,16 @@ teardown of torch). Each worker records how far it got (:data:`wf_mesh.cli.STAGE
 ``WF_MESH_DEMO_PROGRESS``, which ``wf-mesh demo`` watches.
 
 The demo is a list of checks (:data:`CHECKS`). Each is a module-level function of a :class:`DemoContext` that
-every rank calls collectively and that returns a one-line result, raises :class:`CheckSkipped` (nothing to
-show at these degrees) or raises :class:`CheckFailed`. Every distributed result is compared with the same
-computation done in one process on the rank. After each check the ranks exchange outcomes, so all of them
-agree; rank 0 prints progress, one timed line per check, then ``demo OK: ...``. Any failure is printed (on
+every rank calls collectively and that returns a :class:`CheckResult` (what it measured on this rank, as
+named fields, and a one-line summary), raises :class:`CheckSkipped` (nothing to show at these degrees) or
+raises :class:`CheckFailed`. Every distributed result is compared with the same computation done in one
+process on the rank. After each check the ranks exchange outcomes (:class:`Outcome`), so all of them agree;
+rank 0 prints progress, one timed line per check, then ``demo OK: ...``. The workers start through
+:func:`wf_mesh.init_from_env` (gloo, CPU) and leave through its session. Any failure is printed (on
 rank 0, naming the ranks) and every rank exits with code 1. From a notebook, on a running mesh::
 
     ctx = DemoContext.from_mesh(wf_mesh.get_parallel_mesh())
-    ok, lines = run_checks(ctx, echo=print if ctx.rank == 0 else None)
+    outcomes = run_checks(ctx, echo=print if ctx.rank == 0 else None)   # outcomes[i].result: what it measured
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from wf_mesh.viz import format_ranks, format_table, mesh_axes
 if TYPE_CHECKING:
     import torch
 
+    from wf_mesh.bootstrap import DistributedSession
     from wf_mesh.mesh import ParallelMesh
 
 # torch is imported when a check runs (or by main, after telling `wf-mesh demo` that this worker started):
@@ -44,17 +47,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKS",
+    "AllReduceResult",
     "CheckFailed",
+    "CheckResult",
     "CheckSkipped",
     "DemoContext",
+    "FsdpEmaResult",
+    "Outcome",
+    "PipelineRingResult",
+    "TopologyResult",
+    "VideoSplitResult",
     "check_all_reduce",
     "check_cp_video_split",
     "check_fsdp_ema",
     "check_pipeline_ring",
     "check_topology",
     "format_report",
+    "fsdp_batch",
     "main",
     "run_checks",
+    "tiny_mlp",
+    "video_inputs",
 ]
 
 TIMEOUT_MINUTES = 5
@@ -86,45 +99,82 @@ class DemoContext:
         return cls(mesh=mesh, dims=mesh.dims, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-Check = Callable[[DemoContext], str]
+class CheckResult:
+    """What a check measured on this rank: named fields (which a test compares with its own single-process
+    reference) and :attr:`summary`, the line the demo prints."""
+
+    @property
+    def summary(self) -> str:
+        raise NotImplementedError
 
 
-# ---- the mesh and its groups ----------------------------------------------------------------------------
-def check_topology(ctx: DemoContext) -> str:
-    """The mesh's coordinates and groups equal the pure plan (:meth:`ParallelDims.group_of`) on every axis
-    (the cp sub-axes too when cp is split)."""
-    if ctx.mesh.coords() != ctx.dims.coords(ctx.rank):
-        raise CheckFailed(f"coords {ctx.mesh.coords()} != plan {ctx.dims.coords(ctx.rank)}")
-    axes = mesh_axes(ctx.dims)
-    bad = [
-        f"{axis}: mesh {ctx.mesh.ranks(axis)} != plan {ctx.dims.group_of(axis, ctx.rank)}"
-        for axis in axes
-        if ctx.mesh.ranks(axis) != ctx.dims.group_of(axis, ctx.rank)
-    ]
-    if bad:
-        raise CheckFailed("; ".join(bad))
-    return f"topology: coords and groups of {len(axes)} axes match ParallelDims (order {ctx.dims.order})"
-
-
-def check_all_reduce(ctx: DemoContext) -> str:
-    """All-reduce (SUM) of the global rank over each axis's group equals the sum of that group's ranks."""
-    import torch
-    import torch.distributed as dist
-
-    bad, axes = [], mesh_axes(ctx.dims)
-    for axis in axes:
-        total = torch.tensor([ctx.rank], dtype=torch.int64)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.mesh.group(axis))
-        expected = sum(ctx.mesh.ranks(axis))
-        if total.item() != expected:
-            bad.append(f"{axis}: all-reduce gave {total.item()}, sum of {ctx.mesh.ranks(axis)} is {expected}")
-    if bad:
-        raise CheckFailed("; ".join(bad))
-    return f"all-reduce: SUM of the global rank over each group of {len(axes)} axes = the sum of its ranks"
+Check = Callable[[DemoContext], CheckResult]
 
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+# ---- the mesh and its groups ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TopologyResult(CheckResult):
+    order: str
+    coords: dict[str, int]
+    """This rank's coordinates, as the mesh says."""
+    groups: dict[str, list[int]]
+    """This rank's group on every axis of the mesh (sub-axes and derived axes too), as the mesh built it."""
+
+    @property
+    def summary(self) -> str:
+        return f"topology: coords and groups of {len(self.groups)} axes match ParallelDims (order {self.order})"
+
+
+def check_topology(ctx: DemoContext) -> TopologyResult:
+    """The mesh's coordinates and groups equal the pure plan (:meth:`ParallelDims.group_of`) on every axis
+    (the cp sub-axes too when cp is split)."""
+    result = TopologyResult(
+        ctx.dims.order, ctx.mesh.coords(), {axis: ctx.mesh.ranks(axis) for axis in mesh_axes(ctx.dims)}
+    )
+    if result.coords != ctx.dims.coords(ctx.rank):
+        raise CheckFailed(f"coords {result.coords} != plan {ctx.dims.coords(ctx.rank)}")
+    bad = [
+        f"{axis}: mesh {ranks} != plan {ctx.dims.group_of(axis, ctx.rank)}"
+        for axis, ranks in result.groups.items()
+        if ranks != ctx.dims.group_of(axis, ctx.rank)
+    ]
+    if bad:
+        raise CheckFailed("; ".join(bad))
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceResult(CheckResult):
+    sums: dict[str, int]
+    """Per axis: the all-reduced (SUM) global rank over this rank's group."""
+
+    @property
+    def summary(self) -> str:
+        return f"all-reduce: SUM of the global rank over each group of {len(self.sums)} axes = the sum of its ranks"
+
+
+def check_all_reduce(ctx: DemoContext) -> AllReduceResult:
+    """All-reduce (SUM) of the global rank over each axis's group equals the sum of that group's ranks."""
+    import torch
+    import torch.distributed as dist
+
+    sums = {}
+    for axis in mesh_axes(ctx.dims):
+        total = torch.tensor([ctx.rank], dtype=torch.int64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.mesh.group(axis))
+        sums[axis] = int(total.item())
+    bad = [
+        f"{axis}: all-reduce gave {total}, sum of {ctx.mesh.ranks(axis)} is {sum(ctx.mesh.ranks(axis))}"
+        for axis, total in sums.items()
+        if total != sum(ctx.mesh.ranks(axis))
+    ]
+    if bad:
+        raise CheckFailed("; ".join(bad))
+    return AllReduceResult(sums)
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
@@ -134,7 +184,46 @@ def _max_err(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
 
 
 # ---- context parallel on a video latent -----------------------------------------------------------------
-def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> str:
+VIDEO_SEED = 7
+"""Seed of the latent and position embeddings of :func:`check_cp_video_split` (a generator of its own)."""
+
+
+def video_inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(latent (B, C, T, H, W), positions (T, H, W, C))`` of :func:`check_cp_video_split` at ``cp``: the same
+    on every rank and in a single-process reference."""
+    import torch
+
+    shape = (2, 4, 4, 4 * cp, 6)  # T=4 takes gcd(4, cp) of cp; H (patch 2) always takes the rest
+    g = torch.Generator().manual_seed(VIDEO_SEED)
+    latent = torch.randn(shape, generator=g)
+    return latent, torch.randn(*shape[2:], shape[1], generator=g)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoSplitResult(CheckResult):
+    shape: tuple[int, ...]
+    cp: int
+    cp_t: int
+    cp_h: int
+    local_thw: tuple[int, int, int]
+    local_tokens: int
+    """Tokens of this rank's shard (per sample)."""
+    restored: torch.Tensor
+    """``gather(shard(latent))``: must be the latent, bit for bit."""
+    output: torch.Tensor
+    """``gather(tanh(shard) + shard_positions(pos))`` as a ``(B, C, T, H, W)`` video."""
+    max_err: float
+    """Largest deviation of ``output`` from the single-process ``tanh(latent) + pos``."""
+
+    @property
+    def summary(self) -> str:
+        return (
+            f"cp video split: {self.shape} latent over cp={self.cp} = {self.cp_t} (T) x {self.cp_h} (H) blocks of "
+            f"{self.local_thw}; gather(tanh(x) + pos) = one process (err {self.max_err:.0e})"
+        )
+
+
+def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> VideoSplitResult:
     """Split a (B, C, T, H, W) latent over cp (time, then height), apply ``tanh(x) + pos`` per token with the
     matching position embeddings, gather: equals the whole latent done in one process."""
     import torch
@@ -143,12 +232,8 @@ def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> str:
     import wf_mesh
 
     cp = ctx.mesh.size("cp")
-    shape = (2, 4, 4, 4 * cp, 6)  # T=4 takes gcd(4, cp) of cp; H (patch 2) always takes the rest
-    g = torch.Generator().manual_seed(7)
-    latent = torch.randn(shape, generator=g)  # the same on every rank
-    pos = torch.randn(*shape[2:], shape[1], generator=g)  # (T, H, W, C)
+    latent, pos = video_inputs(cp)
     split = wf_mesh.plan_video_split(latent.shape, cp_size=cp)
-
     tokens = split.shard(latent, mesh=ctx.mesh)  # (B, T'*H'*W, C): this rank's block, no collective
     out = torch.tanh(tokens) + split.shard_positions(pos, mesh=ctx.mesh)
     restored = split.gather(split.shard(latent, mesh=ctx.mesh), mesh=ctx.mesh)  # one all-gather each
@@ -162,23 +247,53 @@ def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> str:
     err = _max_err(video, full, "gathered output")
     if err > tol:
         raise CheckFailed(f"gathered tanh(x) + pos differs from the single-process result by {err:.2e} > {tol}")
-    return (
-        f"cp video split: {shape} latent over cp={cp} = {split.cp_t} (T) x {split.cp_h} (H) blocks of "
-        f"{split.local_thw}; gather(tanh(x) + pos) = one process (err {err:.0e})"
+    return VideoSplitResult(
+        tuple(latent.shape), cp, split.cp_t, split.cp_h, split.local_thw, tokens.shape[1], restored, video, err
     )
 
 
 # ---- FSDP2 + EMA ----------------------------------------------------------------------------------------
-def _tiny_mlp() -> torch.nn.Sequential:
+def tiny_mlp() -> torch.nn.Sequential:
+    """The MLP of :func:`check_fsdp_ema`: the same initial weights on every rank (the caller's RNG untouched)."""
     import torch
     from torch import nn
 
-    with torch.random.fork_rng(devices=()):  # the same initial weights on every rank; caller's RNG untouched
+    with torch.random.fork_rng(devices=()):
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: float = 1e-5) -> str:
+def fsdp_batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs (ranks, 4, 8), targets (ranks, 4, 4))`` of ``step``: one slice per dp_cp rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ranks, 4, 8, generator=g), torch.randn(ranks, 4, 4, generator=g)
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpEmaResult(CheckResult):
+    steps: int
+    beta: float
+    fsdp_size: int
+    """Ranks of the dp_cp axis the MLP is sharded over."""
+    weights: dict[str, torch.Tensor]
+    """The model's full weights after the last step (``full_tensor`` of each shard)."""
+    ema: dict[str, torch.Tensor]
+    """The EMA's full weights (``full_tensor`` of its state_dict)."""
+    max_err: float
+    """Largest deviation of weights and EMA from the single-process run."""
+
+    @property
+    def summary(self) -> str:
+        numel = sum(t.numel() for t in self.weights.values())
+        return (
+            f"fsdp2 + ema: {self.steps} AdamW steps, {numel}-param MLP sharded over dp_cp "
+            f"({_plural(self.fsdp_size, 'rank')}); EMA full weights = one process (err {self.max_err:.0e})"
+        )
+
+
+def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: float = 1e-5) -> FsdpEmaResult:
     """``fully_shard`` a tiny MLP over the FSDP axis (dp_cp), train a few AdamW steps on per-rank batches with a
     :class:`~wf_mesh.ShardedEMA` update after each; the EMA's full weights (DTensor ``full_tensor``) and the
     model's equal a single-process run on the whole batch with a plain float32 EMA."""
@@ -189,8 +304,8 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
     import wf_mesh
 
     fsdp, index, size = ctx.mesh.fsdp_mesh(), ctx.mesh.rank("dp_cp"), ctx.mesh.size("dp_cp")
-    ref = _tiny_mlp()
-    model = _tiny_mlp()
+    ref = tiny_mlp()
+    model = tiny_mlp()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=fsdp)
     fully_shard(model, mesh=fsdp)
@@ -199,8 +314,7 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
-        xs, ys = torch.randn(size, 4, 8, generator=g), torch.randn(size, 4, 4, generator=g)
+        xs, ys = fsdp_batch(step, size)
         nn.functional.mse_loss(model(xs[index]), ys[index]).backward()  # FSDP2 averages gradients over dp_cp
         opt.step()
         opt.zero_grad()
@@ -212,25 +326,36 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
             for n, p in ref.named_parameters():
                 ref_ema[n].mul_(beta).add_(p, alpha=1 - beta)
     full_ema = {n: v.full_tensor() for n, v in ema.state_dict().items()}  # all-gathers over dp_cp
-    full_model = {n: p.full_tensor() for n, p in model.named_parameters()}
+    full_model = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     ema_err = max(_max_err(full_ema[n], ref_ema[n], f"EMA {n}") for n in ref_ema)
     model_err = max(_max_err(full_model[n], p, f"weight {n}") for n, p in ref.named_parameters())
     if ema_err > tol or model_err > tol:
         raise CheckFailed(
             f"FSDP2 run differs from one process: EMA by {ema_err:.2e}, weights by {model_err:.2e} (tol {tol})"
         )
-    numel = sum(p.numel() for p in ref.parameters())
-    return (
-        f"fsdp2 + ema: {steps} AdamW steps, {numel}-param MLP sharded over dp_cp ({_plural(size, 'rank')}); "
-        f"EMA full weights = one process (err {ema_err:.0e})"
-    )
+    return FsdpEmaResult(steps, beta, size, full_model, full_ema, max(ema_err, model_err))
 
 
 # ---- pipeline ring --------------------------------------------------------------------------------------
-def check_pipeline_ring(ctx: DemoContext) -> str:
-    """A token goes once around each pp ring with the legacy ``PPScheduler`` (``isend_next`` +
-    ``recv_prev_data``); every stage adds its global rank, and stage 0 gets ``[pp, sum of the ring's ranks]``.
-    Skipped when pp=1 (a single stage has no neighbour)."""
+@dataclasses.dataclass(frozen=True)
+class PipelineRingResult(CheckResult):
+    ring: list[int]
+    """Global ranks of this rank's pp group, stage order."""
+    stage: int
+    received: list[int]
+    """``[hops, sum of the global ranks it passed]`` as this stage received it."""
+    rings: int
+
+    @property
+    def summary(self) -> str:
+        path = " -> ".join(map(str, [*self.ring, self.ring[0]]))
+        return f"pipeline ring: a token went around {_plural(self.rings, 'pp ring')} ({path} here) via PipelineP2P"
+
+
+def check_pipeline_ring(ctx: DemoContext) -> PipelineRingResult:
+    """A token goes once around each pp ring over :class:`~wf_mesh.PipelineP2P` (checked sends and receives);
+    every stage adds its global rank, and stage 0 gets ``[pp, sum of the ring's ranks]``. Skipped when pp=1 (a
+    single stage has no neighbour)."""
     import torch
 
     import wf_mesh
@@ -238,27 +363,23 @@ def check_pipeline_ring(ctx: DemoContext) -> str:
     pp = ctx.mesh.size("pp")
     if pp == 1:
         raise CheckSkipped("pipeline ring: pp=1, a single stage has no neighbour to send to (try --pp 2)")
-    sched = wf_mesh.pp_scheduler_or_none()
-    if sched is None or sched.mesh is not ctx.mesh:
-        sched = wf_mesh.PPScheduler(ctx.mesh)
-    ring, stage = ctx.mesh.ranks("pp"), sched.stage
+    link = wf_mesh.PipelineP2P(ctx.mesh)
+    ring, stage = ctx.mesh.ranks("pp"), link.stage
     mine = torch.tensor([1, ctx.rank])  # [hops, sum of global ranks]
-    if stage == 0:
-        sched.isend_next(mine)
-        got = sched.recv_prev_data((2,), torch.int64)  # back from the last stage: the ring wraps
+    if link.is_first:
+        link.send(mine)
+        got = link.recv((2,), torch.int64)  # back from the last stage: the ring wraps
         expected = [pp, sum(ring)]
     else:
-        got = sched.recv_prev_data((2,), torch.int64)
-        sched.isend_next(got + mine)
+        got = link.recv((2,), torch.int64)
+        link.send(got + mine)
         expected = [stage, sum(ring[:stage])]
-    sched.wait_sends()
+    link.wait_sends()
     if got.tolist() != expected:
         raise CheckFailed(
             f"pp stage {stage} of ring {ring} received [hops, rank sum] {got.tolist()}, expected {expected}"
         )
-    path = " -> ".join(map(str, [*ring, ring[0]]))
-    rings = _plural(ctx.world_size // pp, "pp ring")
-    return f"pipeline ring: a token went around {rings} ({path} here) via isend_next / recv_prev_data"
+    return PipelineRingResult(ring, stage, got.tolist(), ctx.world_size // pp)
 
 
 CHECKS: list[Check] = [check_topology, check_all_reduce, check_cp_video_split, check_fsdp_ema, check_pipeline_ring]
@@ -269,43 +390,69 @@ def _title(check: Check) -> str:
     return check.__name__.removeprefix("check_").replace("_", " ")
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One check's outcome, agreed by every rank (except :attr:`result`, this rank's own)."""
+
+    check: str
+    """The check function's name."""
+    status: str
+    """``"ok"``, ``"skip"`` or ``"fail"``."""
+    message: str
+    """Rank 0's summary (ok), why the check was skipped, or each failing rank's message."""
+    seconds: float
+    """The slowest rank's time."""
+    failed_ranks: tuple[int, ...] = ()
+    result: CheckResult | None = None
+    """What the check measured on this rank (ok only)."""
+
+    @property
+    def line(self) -> str:
+        """The console line: ``ok   <summary> (0.12 s)``, ``skip <why> (..)``, ``FAIL <check> on ranks [..] ...``."""
+        if self.status == "fail":
+            return f"FAIL {self.check} on ranks {list(self.failed_ranks)} ({self.seconds:.2f} s): {self.message}"
+        return f"{self.status:<4} {self.message} ({self.seconds:.2f} s)"
+
+
 def run_checks(
     ctx: DemoContext, checks: Sequence[Check] = CHECKS, *, echo: Callable[[str], None] | None = None
-) -> tuple[bool, list[str]]:
-    """Run ``checks`` collectively; return ``(all passed, one line per check run)``, the same on every rank.
+) -> list[Outcome]:
+    """Run ``checks`` collectively; one :class:`Outcome` per check run (stopping after the first that fails on
+    any rank), agreed on every rank.
 
-    Each line starts with ``ok``, ``skip`` or ``FAIL`` and ends with the check's time (the slowest rank's).
-    Stops at the first check that fails on any rank (its line names the failing ranks and their messages).
-    ``echo`` (e.g. ``print`` on rank 0) gets a ``[i/n] title ...`` line before each check and its line after.
+    ``echo`` (e.g. ``print`` on rank 0) gets a ``[i/n] title ...`` line before each check and its outcome's
+    line after.
     """
     import torch.distributed as dist
 
-    lines = []
+    outcomes = []
     for i, check in enumerate(checks, 1):
         if echo is not None:
             echo(f"[{i}/{len(checks)}] {_title(check)} ...")
         start = time.perf_counter()
+        result = None
         try:
-            status, message = "ok", check(ctx)
+            result = check(ctx)
+            status, message = "ok", result.summary
         except CheckSkipped as e:
             status, message = "skip", e.args[0]
         except Exception as e:
             status, message = "fail", e.args[0] if isinstance(e, CheckFailed) else f"{type(e).__name__}: {e}"
-        outcomes: list[tuple[str, str, float]] = [None] * ctx.world_size  # type: ignore[list-item]
-        dist.all_gather_object(outcomes, (status, message, time.perf_counter() - start))
-        seconds = max(t for _, _, t in outcomes)
-        failed = [(rank, message) for rank, (status, message, _) in enumerate(outcomes) if status == "fail"]
+        reports: list[tuple[str, str, float]] = [None] * ctx.world_size  # type: ignore[list-item]
+        dist.all_gather_object(reports, (status, message, time.perf_counter() - start))
+        seconds = max(t for _, _, t in reports)
+        failed = [(rank, message) for rank, (status, message, _) in enumerate(reports) if status == "fail"]
         if failed:
             details = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
-            lines.append(f"FAIL {check.__name__} on ranks {[r for r, _ in failed]} ({seconds:.2f} s): {details}")
+            outcome = Outcome(check.__name__, "fail", details, seconds, tuple(r for r, _ in failed))
         else:
-            status, message, _ = outcomes[0]
-            lines.append(f"{status:<4} {message} ({seconds:.2f} s)")
+            outcome = Outcome(check.__name__, reports[0][0], reports[0][1], seconds, result=result)
+        outcomes.append(outcome)
         if echo is not None:
-            echo(lines[-1])
+            echo(outcome.line)
         if failed:
-            return False, lines
-    return True, lines
+            break
+    return outcomes
 
 
 def _rank_report(ctx: DemoContext) -> dict:
@@ -327,15 +474,14 @@ def format_report(reports: Sequence[dict]) -> str:
     return f"each rank's coordinates and its group on every axis (as the mesh built them):\n{table}"
 
 
-def _init(dims: ParallelDims) -> ParallelMesh:
+def _start(dims: ParallelDims) -> DistributedSession:
+    """The demo's session: CPU processes on gloo (also on a machine with GPUs), whatever launched them."""
     import datetime
-
-    import torch.distributed as dist
 
     import wf_mesh
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=TIMEOUT_MINUTES))
-    return wf_mesh.init_parallel(dims)
+    timeout = datetime.timedelta(minutes=TIMEOUT_MINUTES)
+    return wf_mesh.init_from_env(dims, backend="gloo", device_type="cpu", timeout=timeout)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -388,13 +534,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import wf_mesh
 
-    for name in ("plan_video_split", "ShardedEMA", "PPScheduler"):  # wf_mesh's lazy imports, done up front
+    for name in ("plan_video_split", "ShardedEMA", "PipelineP2P", "init_from_env"):  # wf_mesh's lazy imports
         getattr(wf_mesh, name)
     _progress("imported")
     start = time.perf_counter()
-    mesh = _init(dims)
-    _progress("joined")
-    try:
+    with _start(dims) as session:
+        _progress("joined")
+        mesh = session.mesh
         ctx = DemoContext.from_mesh(mesh)
         reports = [None] * world_size if rank == 0 else None
         dist.gather_object(_rank_report(ctx), reports, dst=0)
@@ -404,17 +550,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             nodes = f" ({world_size // per_node} nodes x {procs})" if per_node < world_size else ""
             _say(f"wf-mesh demo: {world_size} ranks{nodes} on {mesh.backend}/{mesh.device_type}, {dims}")
             _say(format_report(reports))
-        ok, lines = run_checks(ctx, echo=_say if rank == 0 else None)
+        outcomes = run_checks(ctx, echo=_say if rank == 0 else None)
         elapsed = time.perf_counter() - start
+        ok = all(o.status != "fail" for o in outcomes)
         if rank == 0:
-            passed, skipped = (sum(line.startswith(s) for line in lines) for s in ("ok", "skip"))
+            passed, skipped = (sum(o.status == s for o in outcomes) for s in ("ok", "skip"))
             if ok:
                 _say(f"demo OK: {world_size} ranks, {passed} checks passed, {skipped} skipped, in {elapsed:.2f} s")
             else:
-                print(f"demo FAILED: {world_size} ranks, {dims}: {lines[-1]}", file=sys.stderr, flush=True)
-    finally:
-        wf_mesh.destroy_model_parallel()
-        dist.destroy_process_group()
+                print(f"demo FAILED: {world_size} ranks, {dims}: {outcomes[-1].line}", file=sys.stderr, flush=True)
     _progress("done")
     return 0 if ok else 1
 

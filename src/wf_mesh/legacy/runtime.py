@@ -1,25 +1,20 @@
-"""``dist_init(config)``: initialize torch.distributed from the launcher's environment and build the mesh, plus
-the original package's runtime predicates (``is_last_rank``, ``is_last_tp_cp_rank``, ``get_device``).
-
-Works the same on one laptop (CPU, gloo) and on GPU nodes (NCCL, torchrun): the launcher sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Without a launcher (``python train.py``)
-it runs as a single process: a world of one on a free local port.
+"""``dist_init(config)``: the original package's bootstrap, a thin wrapper over :func:`wf_mesh.init_from_env`
+that maps its config keys, plus the original runtime predicates (``is_last_rank``, ``is_last_tp_cp_rank``,
+``get_device``).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from loguru import logger
 
+from wf_mesh.bootstrap import init_from_env, read_launch_env
 from wf_mesh.legacy.model_parallel import timeout_minutes
 from wf_mesh.legacy.pipeline import init_pp_scheduler, pp_scheduler_or_none
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, init_parallel, parallel_mesh_or_none
+from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
 from wf_mesh.topology import ParallelDims, as_int
 
 __all__ = ["dist_init", "get_device", "is_last_rank", "is_last_tp_cp_rank"]
@@ -45,10 +40,11 @@ def _timeout(config: Any) -> datetime.timedelta:
     return timeout_minutes(minutes, "dist_init: config distributed_timeout_minutes")
 
 
-def _backend(config: Any) -> str:
+def _backend(config: Any) -> str | None:
+    """The configured backend, or None: init_from_env's choice (nccl with CUDA, gloo without)."""
     backend = _read(config, "distributed_backend", None)
     if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return None
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"dist_init: config distributed_backend={backend!r}: use 'nccl', 'gloo' or None (auto)")
     if backend == "nccl" and not torch.cuda.is_available():
@@ -56,92 +52,45 @@ def _backend(config: Any) -> str:
     return backend
 
 
-def _env_int(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"dist_init: environment variable {name}={value!r} is not an integer") from None
-
-
-def _launch() -> tuple[int, int, str]:
-    """``(rank, world_size, init_method)`` from the launcher's environment, or a world of one."""
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        logger.info("dist_init: RANK and WORLD_SIZE are not set (no launcher): running as a single process")
-        return 0, 1, f"tcp://127.0.0.1:{port}"
-    for name, other in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
-        if name not in os.environ:
-            raise RuntimeError(
-                f"dist_init: environment variable {name} is not set but {other} is; launch with torchrun (or set "
-                "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or none of them for a single process)"
-            )
-    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"dist_init: RANK={rank} must be in [0, WORLD_SIZE={world_size})")
-    return rank, world_size, "env://"
-
-
-def bind_local_device(rank: int) -> torch.device:
-    """Bind this process to its CUDA device (``LOCAL_RANK`` if set, else ``rank % device_count``)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
 def dist_init(config: Any) -> ParallelMesh:
-    """Initialize torch.distributed and the tp/cp/pp/dp mesh from ``config`` (or ``config.engine_config``).
+    """Initialize torch.distributed and the tp/cp/pp/dp mesh from ``config`` (or ``config.engine_config``): the
+    legacy face of :func:`wf_mesh.init_from_env`, which reads the launcher's environment (torchrun, SLURM, or
+    none: one process), picks the backend and binds ``cuda:LOCAL_RANK`` with NCCL.
 
     The config (attributes or a dict) may provide, all optional: ``distributed_backend`` (``"nccl"``,
     ``"gloo"``, or None: nccl with CUDA, gloo without), ``distributed_timeout_minutes`` (default 30),
     ``tp_size``, ``cp_size``, ``pp_size`` (default 1), ``dp_size`` (absent, None or -1: inferred from the world
-    size), ``order`` (default ``"tp-cp-pp-dp"``), ``cp_ulysses_size`` (default 1: the Ulysses part of cp
-    for USP attention) and ``dp_replicate`` (default none: also build the HSDP view with that many replicas). Rank and world size come from ``RANK`` / ``WORLD_SIZE``
-    (``env://`` rendezvous through ``MASTER_ADDR`` / ``MASTER_PORT``); without them it runs as one process.
-    With NCCL it binds ``cuda:LOCAL_RANK`` first.
+    size), ``order`` (default ``"tp-cp-pp-dp"``), ``cp_ulysses_size`` (default 1: the Ulysses part of cp for USP
+    attention) and ``dp_replicate`` (default none: also build the HSDP view with that many replicas).
 
     Everything is validated before any network traffic, each error naming the config key or the variable.
     Safe to call again: an initialized default group is reused, and an existing mesh with the same degrees
     is returned as is (a different one is an error). With ``pp_size > 1`` the legacy PP scheduler is created
-    too (once). Returns the current :class:`~wf_mesh.mesh.ParallelMesh`.
+    too (once). Teardown is the original's: ``destroy_model_parallel()``, then the caller destroys the default
+    group. Returns the current :class:`~wf_mesh.mesh.ParallelMesh`.
     """
     config = getattr(config, "engine_config", config)
     if config is None:
         raise TypeError("dist_init: config is None; pass a dict or an object with the distributed settings")
     backend, timeout = _backend(config), _timeout(config)
-    order = _read(config, "order", "tp-cp-pp-dp")
     wanted = ParallelDims(
         tp=_degree(config, "tp_size"),
         cp=_degree(config, "cp_size"),
         pp=_degree(config, "pp_size"),
         dp=_dp(config),
-        order=order,
+        order=_read(config, "order", "tp-cp-pp-dp"),
         cp_ulysses=_degree(config, "cp_ulysses_size"),
     )
-    if dist.is_initialized():
-        rank, world_size, init_method = dist.get_rank(), dist.get_world_size(), None
-    else:
-        rank, world_size, init_method = _launch()
+    world_size = dist.get_world_size() if dist.is_initialized() else read_launch_env(what="dist_init").world_size
     try:
         wanted = wanted.resolve(world_size)
     except ValueError as e:
         raise type(e)(f"dist_init: {e} (WORLD_SIZE={world_size}; config tp_size, cp_size, pp_size, dp_size)") from None
-    if init_method is not None:
-        device = bind_local_device(rank) if backend == "nccl" else None
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device,
-        )
-    dp_replicate = _read(config, "dp_replicate", None)
     mesh = parallel_mesh_or_none()
     if mesh is None:
-        init_parallel(wanted, timeout=timeout, dp_replicate=dp_replicate)
+        dp_replicate = _read(config, "dp_replicate", None)
+        backend = None if dist.is_initialized() else backend  # an existing default group keeps its own
+        mesh = init_from_env(wanted, backend=backend, timeout=timeout, dp_replicate=dp_replicate).mesh
     elif mesh.dims != wanted:
         raise RuntimeError(
             f"dist_init: a different mesh is already initialized ({mesh.dims}); asked for {wanted}; "
@@ -149,7 +98,7 @@ def dist_init(config: Any) -> ParallelMesh:
         )
     if wanted.pp > 1 and pp_scheduler_or_none() is None:
         init_pp_scheduler()
-    return get_parallel_mesh()
+    return mesh
 
 
 def is_last_rank() -> bool:
