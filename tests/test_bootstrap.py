@@ -18,9 +18,8 @@ import pytest
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh import _compat
 from wf_mesh.bootstrap import LaunchEnv, first_host, read_launch_env
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import process_group_counts, run_distributed
 from wf_mesh.viz import mesh_axes
 
 from helpers import raised_everywhere
@@ -185,7 +184,7 @@ def _cuda():
 
 # ---- on a default group that exists (the pooled cluster): only the mesh is its own ------------------
 def session_on_existing_group(dims):
-    baseline = _compat.process_group_counts()[0]
+    baseline = process_group_counts()[0]
     with wf_mesh.init_from_env(dims) as session:
         seen = {
             "owns": session.owns_process_group,
@@ -202,7 +201,7 @@ def session_on_existing_group(dims):
         session.mesh.destroyed,
         wf_mesh.parallel_mesh_or_none(),
         dist.is_initialized(),
-        _compat.process_group_counts()[0] - baseline,
+        process_group_counts()[0] - baseline,
     )
     session.close()  # idempotent
     again = wf_mesh.init_from_env(dims)  # everything it made is gone: the same mesh builds again
