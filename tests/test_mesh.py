@@ -2,7 +2,6 @@
 
 import datetime
 import os
-import time
 
 import pytest
 import torch
@@ -223,11 +222,10 @@ def timeout_then_recover():
     mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=2), timeout=datetime.timedelta(seconds=2))
     error = None
     if dist.get_rank() == 0:  # rank 1 never joins: the subgroup's own timeout must fire
-        start = time.perf_counter()
         try:
             dist.all_reduce(torch.ones(1), group=mesh.group("tp"))
         except RuntimeError as e:
-            error = (type(e).__name__, time.perf_counter() - start)
+            error = str(e)
     dist.barrier()
     wf_mesh.destroy_model_parallel()
     mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=2))
@@ -238,5 +236,5 @@ def timeout_then_recover():
 
 def test_subgroup_timeout_raises_and_destroy_init_recovers():
     (error, total), (none, total1) = run_distributed(2, timeout_then_recover)
-    assert error is not None and error[0] == "RuntimeError" and error[1] < 30  # 2 s configured, not 30 min
+    assert error is not None and "Timed out waiting 2000ms" in error  # the subgroup's 2 s, not the default 30 min
     assert none is None and total == total1 == 2.0
