@@ -328,10 +328,10 @@ class ParallelDims:
             value = as_int(axis.name, getattr(self, axis.name))
             object.__setattr__(self, axis.name, value)
             if value < 1 and not (axis.inferred and value == -1):
-                raise DegreeError(f"{axis.name}={value} must be >= 1 (dp may be -1 to infer it); {self._factors()}")
+                raise DegreeError(f"{axis.name}={value} must be >= 1 (dp may be -1 to infer it); {self.factors()}")
             if axis.degrees is not None and value not in axis.degrees:
                 raise DegreeError(
-                    f"{axis.name}={value} must be one of {list(axis.degrees)} ({axis.description}); {self._factors()}"
+                    f"{axis.name}={value} must be one of {list(axis.degrees)} ({axis.description}); {self.factors()}"
                 )
             if axis.split is not None:
                 fast = as_int(axis.split.fast, getattr(self, axis.split.fast), minimum=1)
@@ -352,7 +352,9 @@ class ParallelDims:
             )
 
     # ---- construction -------------------------------------------------------------------------------
-    def _factors(self) -> str:
+    def factors(self) -> str:
+        """The degrees as messages show them: ``"tp=2, cp=1, pp=1, dp=4"`` (cfg when it is 2, a split when it
+        is not 1)."""
         shown = [f"{a.name}={getattr(self, a.name)}" for a in AXIS_TABLE if not a.optional or getattr(self, a.name) > 1]
         splits = [f"{s.fast}={getattr(self, s.fast)}" for s in _SPLITS if getattr(self, s.fast) != 1]
         return ", ".join(shown + splits)
@@ -406,7 +408,7 @@ class ParallelDims:
 
     def _require_resolved(self) -> None:
         if not self.resolved:
-            raise DegreeError(f"dp is still -1 ({self._factors()}); call .resolve(world_size) first")
+            raise DegreeError(f"dp is still -1 ({self.factors()}); call .resolve(world_size) first")
 
     # ---- cheap facts --------------------------------------------------------------------------------
     @property
@@ -575,7 +577,7 @@ class ParallelDims:
         """
         rank = as_int("rank", rank)
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for world_size={self.world_size} ({self._factors()})")
+            raise ValueError(f"rank {rank} out of range for world_size={self.world_size} ({self.factors()})")
         out = {}
         for axis in self.axis_order:
             rank, out[axis] = divmod(rank, getattr(self, axis))
@@ -673,4 +675,4 @@ class ParallelDims:
         return [[b + m for m in inner] for b in bases]
 
     def __str__(self) -> str:
-        return f"ParallelDims({self._factors()}, order={self.shown_order!r})"
+        return f"ParallelDims({self.factors()}, order={self.shown_order!r})"

@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from wf_mesh import _compat, agreement
-from wf_mesh.mesh import parallel_mesh_or_none, register_extension
-from wf_mesh.topology import as_int
+from wf_mesh import mesh as native_mesh
+from wf_mesh.mesh import DEVICE_TYPES, parallel_mesh_or_none, register_extension
+from wf_mesh.topology import ParallelDims, as_int
 
 __all__ = ["hsdp_device_mesh", "hsdp_rank_grid", "hsdp_sizes"]
 
 DEFAULT_MAX_SHARD = 8
-_DEVICE_TYPES = ("cpu", "cuda")
 
 _meshes: dict[tuple[int, int, str], DeviceMesh] = {}
 
@@ -70,16 +70,28 @@ def hsdp_sizes(
 
 def hsdp_rank_grid(replicas: int, shard: int) -> torch.Tensor:
     """Global ranks of the HSDP mesh, shape ``(replicas, shard)``: row i is a shard group, column j a
-    replicate group (the original's ``init_device_mesh`` layout); pure."""
-    return torch.arange(replicas * shard).reshape(replicas, shard)
+    replicate group (the original's ``init_device_mesh`` layout); pure.
+
+    It is :func:`wf_mesh.mesh.hsdp_rank_grid` of a pure data-parallel world: shard groups are consecutive ranks.
+
+    Args:
+        replicas: the number of replicas.
+        shard: ranks per shard group.
+
+    Returns:
+        An int64 tensor of global ranks.
+    """
+    world = ParallelDims(dp=replicas * shard).resolve(replicas * shard)
+    (grid,) = native_mesh.hsdp_rank_grid(world, replicas)
+    return grid
 
 
 def _device_type(device: str | torch.device | None) -> str:
     if device is None:
         return "cuda" if dist.get_backend() == "nccl" else "cpu"
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    if kind not in _DEVICE_TYPES:
-        raise ValueError(f"device={device!r}: use one of {list(_DEVICE_TYPES)} (or None: the default group's)")
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"device={device!r}: use one of {list(DEVICE_TYPES)} (or None: the default group's)")
     return kind
 
 
@@ -87,7 +99,7 @@ def _device_type(device: str | torch.device | None) -> str:
 class _HsdpFacts(agreement.Facts):
     replicas: int
     shard: int = agreement.fact(label="shard size")
-    device: str = agreement.fact(choices=_DEVICE_TYPES)
+    device: str = agreement.fact(choices=DEVICE_TYPES)
 
 
 def hsdp_device_mesh(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from wf_mesh import _compat, agreement
+from wf_mesh import _compat, agreement, topology
 from wf_mesh.errors import DegreeError
 from wf_mesh.legacy.errors import LegacyStateError, asserting
 from wf_mesh.mesh import (
@@ -44,8 +44,8 @@ __all__ = [
     "state",
 ]
 
-DEFAULT_ORDER = "tp-cp-pp-dp"
-"""wf_mesh's and MAGI-1's default rank order (tp fastest, dp slowest)."""
+DEFAULT_ORDER = topology.DEFAULT_ORDER
+"""wf_mesh's and MAGI-1's default rank order (tp fastest, dp slowest; cfg, always 1 here, before dp)."""
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 """Megatron-LM's default rank order (pipeline slowest); pass it as ``order=`` to get Megatron's layout."""
@@ -176,7 +176,8 @@ def initialize_model_parallel(
             ignored, with a warning, when the backend is not NCCL.
         distributed_timeout_minutes: timeout of the subgroups' collectives.
         order: rank order, fastest axis first; default :data:`DEFAULT_ORDER` (Megatron's is
-            :data:`MEGATRON_ORDER`); an ``ep`` in it is dropped.
+            :data:`MEGATRON_ORDER`); its ``ep`` is one of :data:`~wf_mesh.topology.UNSHARDED_AXES`, which
+            ParallelDims accepts and drops.
         virtual_pipeline_model_parallel_size: virtual stages per pipeline rank (interleaved schedule); needs
             pp > 1. Sets the virtual world size to it and the virtual rank to 0.
         get_embedding_ranks / get_position_embedding_ranks: ``f(pipeline_ranks) -> ranks`` choosing which
@@ -222,9 +223,7 @@ def initialize_model_parallel(
     )
     _require_distributed(pipeline_model_parallel_comm_backend)
     nccl_config = _nccl_config(nccl_communicator_config_path)
-    plan = _agree_on_plan(
-        degrees, _without_ep(order), virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups
-    )
+    plan = _agree_on_plan(degrees, order, virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups)
     with asserting():  # "already initialized" is Megatron's AssertionError
         mesh = init_parallel(plan.dims, timeout=timeout, nccl_config=nccl_config)
     _record_plan(mesh, plan)
@@ -237,13 +236,6 @@ def _check_callables_and_flags(choosers: dict[str, object], create_gloo_process_
             raise TypeError(f"get_{kind}_ranks must be a callable f(pipeline_ranks) -> ranks or None, got {fn!r}")
     if not isinstance(create_gloo_process_groups, bool):
         raise TypeError(f"create_gloo_process_groups must be a bool, got {create_gloo_process_groups!r}")
-
-
-def _without_ep(order: str) -> str:
-    """Megatron's order with its ``ep`` dropped (anything but a str: ParallelDims names the type)."""
-    if not isinstance(order, str):
-        return order
-    return "-".join(axis for axis in order.split("-") if axis != "ep")
 
 
 def _require_distributed(pipeline_backend: str | None) -> None:
