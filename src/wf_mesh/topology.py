@@ -125,7 +125,7 @@ AXIS_TABLE: tuple[Axis, ...] = (
         optional=True,
         degrees=(1, 2),
     ),
-    Axis("dp", -1, "data-parallel degree: replicas of the model on different data (-1: inferred)"),
+    Axis("dp", -1, "data-parallel degree: replicas of the model on different data"),
 )
 """Every base axis, in the default rank order (fastest first): the one source of what the axes are."""
 
@@ -330,9 +330,7 @@ class ParallelDims:
             if value < 1 and not (axis.inferred and value == -1):
                 raise DegreeError(f"{axis.name}={value} must be >= 1 (dp may be -1 to infer it); {self.factors()}")
             if axis.degrees is not None and value not in axis.degrees:
-                raise DegreeError(
-                    f"{axis.name}={value} must be one of {list(axis.degrees)} ({axis.description}); {self.factors()}"
-                )
+                raise DegreeError(f"{axis.name}={value} must be one of {list(axis.degrees)}; {self.factors()}")
             if axis.split is not None:
                 fast = as_int(axis.split.fast, getattr(self, axis.split.fast), minimum=1)
                 object.__setattr__(self, axis.split.fast, fast)
