@@ -304,9 +304,9 @@ def _degree_fields() -> list[str]:
     return [a.name for a in AXIS_TABLE] + [a.split.fast for a in AXIS_TABLE if a.split]
 
 
-_CreationFacts: type[agreement.Facts] = dataclasses.make_dataclass(
+_CreationFacts: Any = dataclasses.make_dataclass(  # generated, so typed Any: its fields are the table's
     "_CreationFacts",
-    [(name, int) for name in _degree_fields()] + _CREATION_FIELDS,
+    [*((name, int) for name in _degree_fields()), *_CREATION_FIELDS],
     bases=(agreement.Facts,),
     frozen=True,
 )
@@ -358,15 +358,19 @@ def _creation_facts(
 def _agree_on_creation(dims: ParallelDims, *options: Any) -> tuple[ParallelDims, str, bool]:
     """Validate here and agree with every rank (one all-gather over the default group); returns the resolved
     dims, the device type and the checks setting, or raises the same error on every rank."""
-    agreed = agreement.agree(
-        dist.group.WORLD, lambda: _creation_facts(dims, *options), what="init_parallel", required=True
+    world: Any = dist.group.WORLD
+    agreed: agreement.Agreed[Any] = agreement.agree(
+        world, lambda: _creation_facts(dims, *options), what="init_parallel", required=True
     )
     hint = "; every rank must build the same mesh"
-    for field in dataclasses.fields(_CreationFacts):  # type: ignore[arg-type]
+    for field in dataclasses.fields(_CreationFacts):
         name, label = field.name, _CreationFacts.label(field.name)
         if name in _RENDER:
-            render = _RENDER[name]
-            agreed.require_same(key=lambda row, n=name, r=render: r(getattr(row, n)), label=label, hint=hint)
+
+            def shown(row: Any, name: str = name) -> object:
+                return _RENDER[name](getattr(row, name))
+
+            agreed.require_same(key=shown, label=label, hint=hint)
         else:
             agreed.require_same(name, hint=hint)
     mine: Any = agreed.mine
@@ -456,7 +460,7 @@ class _OptionsFor:
 
 def _build_root(dims: ParallelDims, device_type: str, options: _OptionsFor) -> DeviceMesh:
     """The one ``init_device_mesh`` over the axes in use (dim names: the order reversed)."""
-    overrides = {a: o for a in dims.axis_order if (o := options(a, dims.degree(a))) is not None}
+    overrides: Any = {a: o for a in dims.axis_order if (o := options(a, dims.degree(a))) is not None}
     return init_device_mesh(
         device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names, backend_override=overrides or None
     )
