@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wf_mesh.cli import add_degree_flags, dims_from_args
 from wf_mesh.topology import FSDP_AXIS, ParallelDims
@@ -289,6 +289,12 @@ class FsdpEmaResult(CheckResult):
         )
 
 
+def _full(parameter: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 parameter (a DTensor)."""
+    dtensor: Any = parameter
+    return dtensor.full_tensor().detach()
+
+
 def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: float = 1e-5) -> FsdpEmaResult:
     """``fully_shard`` a tiny MLP over the FSDP axis (dp_cfg_cp: dp_cp while cfg is 1), train a few AdamW steps on per-rank batches with a
     :class:`~wf_mesh.ShardedEMA` update after each; the EMA's full weights (DTensor ``full_tensor``) and the
@@ -322,7 +328,7 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
             for n, p in ref.named_parameters():
                 ref_ema[n].mul_(beta).add_(p, alpha=1 - beta)
     full_ema = {n: v.full_tensor() for n, v in ema.state_dict().items()}  # all-gathers over dp_cp
-    full_model = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    full_model = {n: _full(p) for n, p in model.named_parameters()}
     ema_err = max(_max_err(full_ema[n], ref_ema[n], f"EMA {n}") for n in ref_ema)
     model_err = max(_max_err(full_model[n], p, f"weight {n}") for n, p in ref.named_parameters())
     if ema_err > tol or model_err > tol:
@@ -532,14 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _progress("joined")
         mesh = session.mesh
         ctx = DemoContext.from_mesh(mesh)
-        reports = [None] * world_size if rank == 0 else None
+        reports: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(_rank_report(ctx), reports, dst=0)
         if rank == 0:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             procs = f"{per_node} process{'es' if per_node > 1 else ''}"
             nodes = f" ({world_size // per_node} nodes x {procs})" if per_node < world_size else ""
             _say(f"wf-mesh demo: {world_size} ranks{nodes} on {mesh.backend}/{mesh.device_type}, {dims}")
-            _say(format_report(reports))
+            _say(format_report(reports or []))
         outcomes = run_checks(ctx, echo=_say if rank == 0 else None)
         elapsed = time.perf_counter() - start
         ok = all(o.status != "fail" for o in outcomes)

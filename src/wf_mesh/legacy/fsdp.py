@@ -14,6 +14,7 @@ without a current mesh.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,9 +131,12 @@ def hsdp_device_mesh(
         replicas, shard = hsdp_sizes(world, replica_group_size, sharding_group_size)
         return _HsdpFacts(replicas=replicas, shard=shard, device=_device_type(device))
 
-    agreed = agreement.agree(dist.group.WORLD, facts, what="hsdp_device_mesh", required=True)
+    world_group: Any = dist.group.WORLD
+    agreed = agreement.agree(world_group, facts, what="hsdp_device_mesh", required=True)
     agreed.require_same("replicas", "shard", "device", hint="; every rank must pass the same arguments")
-    replicas, shard, kind = agreed.mine.replicas, agreed.mine.shard, agreed.mine.device
+    mine = agreed.mine
+    assert mine is not None  # required: the exchange ran and this rank's facts are known
+    replicas, shard, kind = mine.replicas, mine.shard, mine.device
     grid = hsdp_rank_grid(replicas, shard)
     current = parallel_mesh_or_none()
     if current is not None and current.hsdp_enabled:
@@ -145,7 +149,7 @@ def hsdp_device_mesh(
         return cached
     options = _compat.backend_options(dist.get_backend(), _compat.default_group_timeout())
     # a dim spanning the world gets no options: torch then reuses the default group for it
-    override = {name: options for name, size in (("replicate", replicas), ("shard", shard)) if size != world}
+    override: Any = {name: options for name, size in (("replicate", replicas), ("shard", shard)) if size != world}
     mesh = init_device_mesh(
         kind,
         (replicas, shard),

@@ -13,8 +13,9 @@ import datetime
 import numbers
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -229,7 +230,7 @@ def initialize_model_parallel(
     _record_plan(mesh, plan)
 
 
-def _check_callables_and_flags(choosers: dict[str, object], create_gloo_process_groups: object) -> None:
+def _check_callables_and_flags(choosers: Mapping[str, object], create_gloo_process_groups: object) -> None:
     """TypeError for an embedding-rank chooser that is not callable or a gloo flag that is not a bool."""
     for kind, fn in choosers.items():
         if fn is not None and not callable(fn):
@@ -412,16 +413,18 @@ def _agree_on_plan(
             embedding_ranks=ranks,
         )
 
-    agreed = agreement.agree(dist.group.WORLD, facts, what="initialize_model_parallel", required=True)
+    world_group: Any = dist.group.WORLD
+    agreed = agreement.agree(world_group, facts, what="initialize_model_parallel", required=True)
     hint = "; every rank must pass the same arguments"
     agreed.require_same("vpp", hint=hint)
     for kind in defaults:
-        agreed.require_same(
-            key=lambda r, kind=kind: f"crc {getattr(r, f'{kind}_crc'):08x}",
-            label=_PlanFacts.label(f"{kind}_crc"),
-            hint=hint,
-        )
+
+        def crc(row: _PlanFacts, kind: str = kind) -> str:
+            return f"crc {getattr(row, f'{kind}_crc'):08x}"
+
+        agreed.require_same(key=crc, label=_PlanFacts.label(f"{kind}_crc"), hint=hint)
     agreed.require_same("gloo", hint=hint)
+    assert agreed.mine is not None  # required: the exchange ran and this rank's facts are known
     return agreed.mine
 
 
