@@ -38,6 +38,59 @@ def test_plan_prints_the_topology_view(capsys):
     assert "world 16 = tp 2 x cp 2 x pp 2 x dp 2" in out and "rank = tp + 2*cp + 4*pp + 8*dp" in out
 
 
+def test_plan_cfg_2_prints_the_cfg_groups(capsys):
+    assert cli.main(["plan", "--world-size", "8", "--tp", "2", "--cfg", "2"]) == 0
+    out = capsys.readouterr().out
+    dims = wf_mesh.ParallelDims(tp=2, cfg=2).resolve(8)
+    assert out == str(TopologyView(dims)) + "\n"
+    listed = listed_groups(out)
+    assert list(listed) == list(mesh_axes(dims)) and {"cfg", "dp_cfg_cp"} <= set(listed)
+    assert listed == {axis: dims.groups(axis) for axis in mesh_axes(dims)}
+    assert listed["cfg"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and listed["dp_cfg_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert "world 8 = tp 2 x cp 1 x pp 1 x cfg 2 x dp 2, order tp-cp-pp-cfg-dp" in out
+    assert "rank = tp + 2*cfg + 4*dp" in out
+
+
+def test_degree_flags_come_from_the_axis_table(monkeypatch):
+    """Every table row is a flag of plan and demo; dims_from_args reads them back, and degree_args is the
+    inverse; a new row (an extra test row here) is a new flag with no other change."""
+    import argparse
+
+    from wf_mesh import topology
+
+    parser = argparse.ArgumentParser()
+    cli.add_degree_flags(parser)
+    flags = {a for action in parser._actions for a in action.option_strings} - {"-h", "--help"}
+    assert flags == {*(a.flag for a in topology.AXIS_TABLE), "--cp-ulysses", "--order"}
+    args = parser.parse_args(["--tp", "2", "--cfg", "2", "--cp", "4", "--cp-ulysses", "2", "--order", "cp-tp-pp-dp"])
+    dims = cli.dims_from_args(args)
+    assert dims == wf_mesh.ParallelDims(tp=2, cp=4, cp_ulysses=2, cfg=2, order="cp-tp-pp-dp")
+    assert cli.degree_args(dims) == [
+        *("--tp", "2", "--cp", "4", "--pp", "1", "--cfg", "2", "--cp-ulysses", "2"),
+        *("--order", "cp-tp-pp-cfg-dp"),
+    ]
+    assert cli.dims_from_args(parser.parse_args(cli.degree_args(dims))) == dims
+    assert cli.degree_args(wf_mesh.ParallelDims(tp=2)) == [
+        "--tp",
+        "2",
+        "--cp",
+        "1",
+        "--pp",
+        "1",
+        "--order",
+        "tp-cp-pp-dp",
+    ]
+    plan = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.values())
+    assert {a.flag for a in topology.AXIS_TABLE} <= {o for action in plan._actions for o in action.option_strings}
+
+    row = topology.Axis("ep", 1, "expert-parallel degree", optional=True)
+    monkeypatch.setattr(cli, "AXIS_TABLE", (*topology.AXIS_TABLE, row))
+    extra = argparse.ArgumentParser()
+    cli.add_degree_flags(extra)
+    assert extra.parse_args(["--ep", "4"]).ep == 4
+    assert "expert-parallel degree (default 1)" in extra.format_help()
+
+
 def test_plan_honours_order_dp_and_cp_ulysses(capsys):
     args = [
         "plan",
@@ -112,7 +165,8 @@ def test_plan_of_a_billion_ranks_is_cut_not_a_memory_error(capsys):
         ),
         (
             ["--world-size", "16", "--tp", "2", "--order", "tp-xx"],
-            "bad order 'tp-xx': unknown axes ['xx'], repeated axes []; use a permutation of tp-cp-pp-dp",
+            "bad order 'tp-xx': unknown axes ['xx'], repeated axes []; use a permutation of tp-cp-pp-cfg-dp (the "
+            "optional axes may be left out)",
         ),
         (["--world-size", "8", "--tp", "0"], "tp=0 must be >= 1 (dp may be -1 to infer it); tp=0, cp=1, pp=1, dp=-1"),
         (
@@ -122,9 +176,14 @@ def test_plan_of_a_billion_ranks_is_cut_not_a_memory_error(capsys):
         (
             ["--world-size", "8", "--axis", "nope"],
             (
-                "unknown axis 'nope' in 'nope'; axes are ['tp', 'cp', 'pp', 'dp'], sub-axes ['cp_ulysses', 'cp_ring'], "
-                "derived axes ['tp_cp', 'dp_cp', 'tp_pp', 'tp_cp_dp', 'tp_dp']"
+                "unknown axis 'nope' in 'nope'; axes are ['tp', 'cp', 'pp', 'cfg', 'dp'], sub-axes ['cp_ulysses', "
+                "'cp_ring'], derived axes ['tp_cp', 'dp_cp', 'tp_pp', 'tp_cp_dp', 'tp_dp', 'dp_cfg_cp']"
             ),
+        ),
+        (["--world-size", "8", "--cfg", "3"], "cfg=3 must be one of [1, 2]; tp=1, cp=1, pp=1, cfg=3, dp=-1"),
+        (
+            ["--world-size", "6", "--cfg", "2", "--tp", "2"],
+            "world_size=6 is not divisible by tp*cp*pp*cfg = 2*1*1*2 = 4; cannot infer dp",
         ),
         (["--world-size", "8", "--highlight", "8"], "highlight rank 8 is out of range for world size 8"),
         (["--world-size", "8", "--max-rows", "0"], "argument --max-rows: must be > 0, got 0"),
@@ -472,7 +531,7 @@ def test_console_lines_of_outcomes_and_results():
     )
     fsdp = demo.FsdpEmaResult(3, 0.9, 2, {"w": torch.zeros(16, 8), "b": torch.zeros(4)}, {}, 3e-8)
     assert fsdp.summary == (
-        "fsdp2 + ema: 3 AdamW steps, 132-param MLP sharded over dp_cp (2 ranks); EMA full weights = one process "
+        "fsdp2 + ema: 3 AdamW steps, 132-param MLP sharded over dp_cfg_cp (2 ranks); EMA full weights = one process "
         "(err 3e-08)"
     )
     ring = demo.PipelineRingResult([0, 1], 0, [2, 1], 2)

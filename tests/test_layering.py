@@ -24,6 +24,7 @@ LAYERS = {
         "attention_ops",
         "log",
         "bootstrap",
+        "guidance",
     ],
     4: ["legacy"],  # the legacy layer: legacy functions, lifecycle and state (never parallel_state)
     5: ["parallel_state"],  # Megatron's / MAGI-1's module face over legacy.model_parallel

@@ -10,18 +10,23 @@ import torch.distributed as dist
 import wf_mesh
 from wf_mesh.errors import DegreeError, DisagreementError, StateError
 from wf_mesh.testing import process_group_counts, run_distributed
-from wf_mesh.topology import AXES, DERIVED_AXES
+from wf_mesh.topology import AXES, DERIVED_AXES, FSDP_AXIS
 
 from helpers import raised_everywhere
 
-ALL_AXES = [*AXES, *DERIVED_AXES]
+
+def checked_axes(plan):
+    """Every axis a mesh of ``plan`` has: what it shows, and every derived axis (the FSDP axis is one)."""
+    return list(dict.fromkeys([*plan.shown_axes, *DERIVED_AXES]))
 
 
-def mesh_report(tp, cp, pp, order):
-    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=tp, cp=cp, pp=pp, order=order))
+def mesh_report(tp, cp, pp, order, cfg=1):
+    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=tp, cp=cp, pp=pp, order=order, cfg=cfg))
     rank = dist.get_rank()
     report = {"coords": mesh.coords(), "names": mesh.root.mesh_dim_names, "axes": mesh.axes}
-    for axis in ALL_AXES:
+    report["single"] = {a: (mesh.size(a), mesh.rank(a), mesh.ranks(a), a in mesh) for a in AXES if a not in mesh.axes}
+    report["fsdp_is_dp_cp"] = mesh.fsdp_mesh() is mesh["dp_cp"]
+    for axis in checked_axes(mesh.dims):
         ranks = mesh.ranks(axis)
         total = torch.tensor([rank], dtype=torch.int64)
         dist.all_reduce(total, group=mesh.group(axis))  # proves the group, not just its bookkeeping
@@ -46,19 +51,29 @@ CONFIGS = [
     (8, (1, 2, 2, "tp-cp-pp-dp")),
     (8, (2, 2, 1, "cp-dp-tp-pp")),
     (8, (1, 4, 2, "tp-pp-cp-dp")),
+    # cfg=2: the guidance branches on different ranks, with the other axes too
+    (2, (1, 1, 1, "tp-cp-pp-dp", 2)),
+    (4, (2, 1, 1, "tp-cp-pp-dp", 2)),
+    (4, (1, 1, 1, "tp-cp-pp-dp", 2)),
+    (8, (2, 2, 1, "tp-cp-pp-cfg-dp", 2)),
+    (8, (1, 2, 2, "cfg-tp-cp-pp-dp", 2)),
+    (8, (2, 1, 1, "tp-cp-dp-pp", 2)),
 ]
 
 
 @pytest.mark.parametrize("world_size, config", CONFIGS, ids=[f"w{w}-{c}" for w, c in CONFIGS])
 def test_real_mesh_equals_plan(world_size, config):
-    tp, cp, pp, order = config
-    plan = wf_mesh.ParallelDims(tp=tp, cp=cp, pp=pp, order=order).resolve(world_size)
-    reports = run_distributed(world_size, mesh_report, tp, cp, pp, order)
+    tp, cp, pp, order, cfg = (*config, 1)[:5]
+    plan = wf_mesh.ParallelDims(tp=tp, cp=cp, pp=pp, order=order, cfg=cfg).resolve(world_size)
+    reports = run_distributed(world_size, mesh_report, tp, cp, pp, order, cfg)
     for rank, report in enumerate(reports):
         assert report["coords"] == plan.coords(rank)
         assert report["names"] == plan.mesh_dim_names
-        assert set(ALL_AXES) <= set(report["axes"])
-        for axis in ALL_AXES:
+        assert set(checked_axes(plan)) <= set(report["axes"])
+        # cfg=1: no cfg dim and no cfg group, yet size/rank/ranks answer; the FSDP axis is the dp_cp mesh
+        assert report["single"] == ({} if cfg == 2 else {"cfg": (1, 0, [rank], False)})
+        assert report["fsdp_is_dp_cp"] == (cfg == 1)
+        for axis in checked_axes(plan):
             group = plan.group_of(axis, rank)
             got = report[axis]
             assert got["ranks"] == group, (rank, axis)
@@ -96,6 +111,8 @@ def mesh_misuse(case):
         return wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=2, order="tp-cp-pp-dp" if rank else "dp-tp-cp-pp"))
     if case == "timeout_differs":
         return wf_mesh.init_parallel(timeout=datetime.timedelta(seconds=30 + rank))
+    if case == "cfg_differs":
+        return wf_mesh.init_parallel(wf_mesh.ParallelDims(cfg=2 if rank == 0 else 1))
     if case == "indivisible":
         return wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=3))
     if case == "bad_on_one_rank":
@@ -105,6 +122,8 @@ def mesh_misuse(case):
         return wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
     if case == "unknown_axis":
         return mesh["ep"]
+    if case == "cfg_axis":
+        return mesh.group("cfg")
     if case == "none_axis":
         return mesh[None]
     if case == "int_axis":
@@ -140,6 +159,11 @@ MESH_MISUSE = {
         r"model parallel is already initialized \(ParallelDims\(tp=1, cp=2, pp=1, dp=2.*call wf_mesh.destroy_model_parallel\(\) before initializing again",
     ),
     "unknown_axis": (KeyError, r"unknown mesh axis 'ep'; valid axes are \['tp', 'cp', 'pp', 'dp', 'tp_cp'"),
+    "cfg_axis": (KeyError, r"mesh axis 'cfg' is not in this mesh: its group is one rank \(ParallelDims\(tp=1, cp=2"),
+    "cfg_differs": (
+        DisagreementError,
+        r"^init_parallel: ranks disagree on cfg \(rank 0: 2; ranks \[1, 2, 3\]: 1\); every rank must build the same mesh$",
+    ),
     "none_axis": (TypeError, r"^a mesh axis is a str such as 'cp' or 'dp_cp', got NoneType None$"),
     "int_axis": (TypeError, r"^a mesh axis is a str such as 'cp' or 'dp_cp', got int 3$"),
     "destroyed": (
@@ -184,7 +208,7 @@ def test_cp_sub_axes_come_from_the_one_mesh():
 
 def test_requires_torch_distributed():
     assert not dist.is_initialized()  # the pytest process itself never joins a group
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialized: call wf_mesh.dist_init"):
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized: call wf_mesh.init_from_env\(dims\)"):
         wf_mesh.init_parallel()
     with pytest.raises(RuntimeError, match="model parallel is not initialized: call wf_mesh.initialize_model_parallel"):
         wf_mesh.get_parallel_mesh()
@@ -238,3 +262,18 @@ def test_subgroup_timeout_raises_and_destroy_init_recovers():
     (error, total), (none, total1) = run_distributed(2, timeout_then_recover)
     assert error is not None and "Timed out waiting 2000ms" in error  # the subgroup's 2 s, not the default 30 min
     assert none is None and total == total1 == 2.0
+
+
+@pytest.mark.parametrize("kw, rep", [(dict(tp=2, cfg=2), 1), (dict(cp=2, cfg=2), 2), (dict(tp=2, cfg=2, cp=2), 1)])
+def test_hsdp_shard_groups_span_the_fsdp_axis(kw, rep):
+    """Pure: the HSDP shard groups are dp_shard x cfg x cp (the cfg branches hold the same weights); with one
+    replica they are exactly the FSDP axis's groups."""
+    from wf_mesh.mesh import hsdp_rank_grid
+
+    dims = wf_mesh.ParallelDims(**kw).resolve(16)
+    grid = hsdp_rank_grid(dims, rep)
+    assert grid.shape == (dims.tp * dims.pp, rep, dims.degree(FSDP_AXIS) // rep)
+    shards = sorted(sorted(row) for view in grid.tolist() for row in view)
+    if rep == 1:
+        assert shards == sorted(sorted(g) for g in dims.groups(FSDP_AXIS))
+    assert sorted(r for view in grid.tolist() for row in view for r in row) == list(range(16))

@@ -1,13 +1,15 @@
 """Pure topology: ParallelDims against docs/design.md section 2.1 and an independent Megatron-style reference."""
 
+import dataclasses
 import itertools
 import math
 import re
 
 import pytest
 
+from wf_mesh import topology
 from wf_mesh.errors import DegreeError
-from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
+from wf_mesh.topology import AXES, AXIS_TABLE, DEFAULT_ORDER, DERIVED_AXES, FSDP_AXIS, Axis, ParallelDims, parse_axes
 
 TOKENS = ["tp", "cp", "pp", "dp", "tp-cp", "dp-cp", "tp-pp", "tp-cp-dp", "tp-dp", "cp-pp", "tp-cp-pp-dp"]
 
@@ -49,7 +51,8 @@ def factorisations(n):
             yield tp, cp, pp, n // (tp * cp * pp)
 
 
-ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
+FOUR = [a.name for a in AXIS_TABLE if not a.optional]
+ORDERS = ["-".join(p) for p in itertools.permutations(FOUR)]
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -127,8 +130,9 @@ def test_rank_arithmetic_round_trips():
 
 def test_dp_inferred_and_missing_axes_appended():
     dims = ParallelDims(tp=2, order="tp-cp-dp").resolve(8)
-    assert (dims.dp, dims.order, dims.world_size) == (4, "tp-cp-dp-pp", 8)
-    assert ParallelDims(tp=2, order="tp-cp").resolve(2).order == "tp-cp-pp-dp"  # left-out axes of degree 1
+    assert (dims.dp, dims.shown_order, dims.world_size) == (4, "tp-cp-dp-pp", 8)
+    assert dims.order == "tp-cp-cfg-dp-pp"  # cfg (optional) goes just before dp
+    assert ParallelDims(tp=2, order="tp-cp").resolve(2).shown_order == "tp-cp-pp-dp"  # left-out axes of degree 1
     assert ParallelDims().resolve(1).world_size == 1
     assert (dims.tp_enabled, dims.cp_enabled, dims.pp_enabled, dims.dp_enabled) == (True, False, False, True)
 
@@ -192,7 +196,7 @@ def test_plans_100k_ranks():
 def test_left_out_axis_is_checked_after_dp_is_inferred(order):
     with pytest.raises(DegreeError, match=f"order {order!r} leaves out dp=2; an axis may be left out only if"):
         ParallelDims(order=order).resolve(2)
-    assert ParallelDims(order=order).resolve(1).order == "tp-cp-pp-dp"
+    assert ParallelDims(order=order).resolve(1).shown_order == "tp-cp-pp-dp"
 
 
 @pytest.mark.parametrize(
@@ -258,3 +262,109 @@ def test_a_million_ranks_plan_by_arithmetic():
     assert huge.group_of("tp", 799_999_999) == list(range(799_999_992, 800_000_000))
     with pytest.raises(ValueError, match="groups\\('dp'\\) would list all 800,000,000 ranks"):
         huge.groups("dp")
+
+
+# ---- the axis table and the cfg axis ---------------------------------------------------------------------
+def test_the_table_drives_axes_order_fields_and_flags():
+    assert AXES == ("tp", "cp", "pp", "cfg", "dp") == tuple(a.name for a in AXIS_TABLE)
+    assert DEFAULT_ORDER == "tp-cp-pp-cfg-dp" == ParallelDims().order
+    assert [a.flag for a in AXIS_TABLE] == ["--tp", "--cp", "--pp", "--cfg", "--dp"]
+    assert topology.SUB_AXES == {"cp_ulysses": "cp", "cp_ring": "cp"}
+    fields = {f.name for f in dataclasses.fields(ParallelDims) if f.init}
+    assert fields == {*AXES, *topology.SUB_AXES.keys() - {"cp_ring"}, "order"}  # a field per degree, and the order
+    assert {a.name: a.default for a in AXIS_TABLE} == {a: getattr(ParallelDims(), a) for a in AXES}
+    assert FSDP_AXIS in DERIVED_AXES and set(DERIVED_AXES[FSDP_AXIS]) == {"dp", "cfg", "cp"}
+
+
+def test_cfg_one_is_hidden_from_what_users_see():
+    dims = ParallelDims(tp=2, cp=2, pp=2).resolve(16)
+    assert str(dims) == "ParallelDims(tp=2, cp=2, pp=2, dp=2, order='tp-cp-pp-dp')"
+    assert dims.axis_order == ("tp", "cp", "pp", "dp") and dims.shown_order == "tp-cp-pp-dp"
+    assert dims.mesh_dim_names == ("dp", "pp", "cp", "tp") and "cfg" not in dims.coords(5)
+    assert "cfg" not in dims.shown_axes and FSDP_AXIS not in dims.shown_axes
+    assert dims.groups("cfg") == [[r] for r in range(16)] and dims.degree("cfg") == 1
+    assert dims.groups(FSDP_AXIS) == dims.groups("dp_cp")  # the same ranks: cfg branches are not split
+    assert not dims.cfg_enabled and dims.in_use("tp") and not dims.in_use("cfg")
+    assert dims.rank_of(cfg=0, tp=1) == 1
+
+
+def test_cfg_groups_equal_hand_computed_ranks():
+    dims = ParallelDims(tp=2, cfg=2).resolve(8)  # rank = tp + 2 * cfg + 4 * dp
+    assert str(dims) == "ParallelDims(tp=2, cp=1, pp=1, cfg=2, dp=2, order='tp-cp-pp-cfg-dp')"
+    assert dims.mesh_dim_names == ("dp", "cfg", "pp", "cp", "tp") and dims.mesh_shape == (2, 2, 1, 1, 2)
+    assert dims.coords(6) == {"tp": 0, "cp": 0, "pp": 0, "cfg": 1, "dp": 1}
+    assert dims.groups("cfg") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.groups(FSDP_AXIS) == [[0, 2, 4, 6], [1, 3, 5, 7]] == dims.groups("dp-cfg")  # cfg faster than dp
+    assert dims.groups("dp_cp") == dims.groups("dp")  # cfg is not in dp_cp
+    assert dims.groups("tp_pp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.cfg_enabled and dims.enabled(FSDP_AXIS) and "cfg" in dims.shown_axes
+    assert dims.rank_of(cfg=1, dp=1, tp=1) == 7
+    for rank in range(8):
+        assert dims.rank_of(**dims.coords(rank)) == rank
+
+
+@pytest.mark.parametrize("order", ["-".join(p) for p in itertools.permutations(AXES)][::7])
+def test_cfg_two_matches_megatron_in_any_order(order):
+    for tp, cp, pp, rest in factorisations(8):
+        if rest % 2:
+            continue
+        dims = ParallelDims(tp=tp, cp=cp, pp=pp, cfg=2, dp=rest // 2, order=order)
+        names = order.split("-")
+        sizes = [getattr(dims, a) for a in names]
+        for token in [*TOKENS, "cfg", "cfg-dp", "dp_cfg_cp", "tp-cfg"]:
+            mask = [a in parse_axes(token) for a in names]
+            assert dims.groups(token) == megatron_groups(8, sizes, mask), (dims, token)
+
+
+@pytest.mark.parametrize(
+    "order, full",
+    [
+        ("tp-cp-pp-dp", "tp-cp-pp-cfg-dp"),
+        ("tp-cp-dp-pp", "tp-cp-cfg-dp-pp"),  # Megatron's layout
+        ("tp-cp-ep-dp-pp", "tp-cp-cfg-dp-pp"),  # Megatron's own string: ep is not sharded, dropped
+        ("dp-tp-cp-pp", "cfg-dp-tp-cp-pp"),
+        ("cfg-tp-cp-pp-dp", "cfg-tp-cp-pp-dp"),
+    ],
+)
+def test_orders_without_cfg_stay_valid(order, full):
+    for cfg in (1, 2):
+        dims = ParallelDims(tp=2, cfg=cfg, order=order).resolve(8)
+        assert dims.order == full and dims.resolve(8).order == full
+    assert ParallelDims(tp=2, order=order).resolve(8).shown_order == full.replace("cfg-", "").replace("-cfg", "")
+
+
+@pytest.mark.parametrize("cfg, error", [(3, DegreeError), (0, DegreeError), (-1, DegreeError), (2.0, TypeError)])
+def test_cfg_other_than_one_or_two_is_refused(cfg, error):
+    with pytest.raises(
+        error,
+        match=re.escape(f"cfg must be an int, got float {cfg}")
+        if error is TypeError
+        else (rf"^cfg={cfg} must be (>= 1|one of \[1, 2\])"),
+    ):
+        ParallelDims(cfg=cfg)
+
+
+def test_cfg_in_resolve_messages():
+    with pytest.raises(DegreeError, match=r"world_size=6 is not divisible by tp\*cp\*pp\*cfg = 2\*1\*1\*2 = 4"):
+        ParallelDims(tp=2, cfg=2).resolve(6)
+    with pytest.raises(DegreeError, match=r"tp\*cp\*pp\*cfg\*dp = 1\*1\*1\*2\*2 = 4 != world_size=8"):
+        ParallelDims(cfg=2, dp=2).resolve(8)
+
+
+def test_a_new_axis_is_a_row(monkeypatch):
+    """An extra row (here "ep", optional, before dp) is all the pure layer needs for order, flags and groups;
+    ParallelDims gains a field for its degree (dataclasses.make_dataclass stands in for that line)."""
+    row = Axis("ep", 1, "expert-parallel degree", optional=True)
+    table = (*AXIS_TABLE[:-1], row, AXIS_TABLE[-1])
+    monkeypatch.setattr(topology, "AXIS_TABLE", table)
+    monkeypatch.setattr(topology, "AXES", tuple(a.name for a in table))
+    monkeypatch.setattr(topology, "_TABLE", {a.name: a for a in table})
+    monkeypatch.setattr(topology, "_NAMES", {*topology._NAMES, "ep"})
+    monkeypatch.setattr(topology, "UNSHARDED_AXES", {})
+    Dims = dataclasses.make_dataclass("Dims", [("ep", int, 1)], bases=(ParallelDims,), frozen=True)
+    dims = Dims(tp=2, ep=2, cfg=2).resolve(16)
+    assert dims.order == "tp-cp-pp-cfg-ep-dp" and dims.axis_order == ("tp", "cp", "pp", "cfg", "ep", "dp")
+    assert dims.dp == 2 and dims.groups("ep")[0] == [0, 4] and dims.coords(4)["ep"] == 1
+    assert str(dims) == "ParallelDims(tp=2, cp=1, pp=1, cfg=2, ep=2, dp=2, order='tp-cp-pp-cfg-ep-dp')"
+    assert "ep" not in Dims(tp=2).resolve(2).axis_order

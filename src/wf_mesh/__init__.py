@@ -1,4 +1,4 @@
-"""wf_mesh: one DeviceMesh with named axes tp/cp/pp/dp for video / world-model training and serving.
+"""wf_mesh: one DeviceMesh with named axes tp/cp/pp/cfg/dp for video / world-model training and serving.
 
 Native API (mesh first):
     ParallelDims           pure topology: degrees, order, rank <-> coordinates, groups (no processes needed)
@@ -16,7 +16,11 @@ Context parallel (wf_mesh.context_parallel, wf_mesh.video, wf_mesh.attention):
 
 Shard-local model state for FSDP2 (wf_mesh.ema, wf_mesh.state_sync):
     ShardedEMA                       fp32 EMA of local shards; update(model), swapped_into(model), DCP state_dict
-    ParallelMesh.fsdp_mesh/hsdp_mesh the dp_cp axis, or the ("replicate", "shard") view (init_parallel(dp_replicate=))
+    ParallelMesh.fsdp_mesh/hsdp_mesh the dp_cfg_cp axis, or the ("replicate", "shard") view (init_parallel(dp_replicate=))
+
+Classifier-free guidance (wf_mesh.guidance):
+    guided_prediction / split_branches   the cond and uncond branches in one process, or on the cfg axis (cfg=2)
+    combine_guidance                     uncond + scale * (cond - uncond)
 
 Pipeline (wf_mesh.pipeline):
     PipelineP2P                      send/recv between adjacent pp stages (ring), checked mode, batched exchange
@@ -44,6 +48,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # native
     "AXES": "wf_mesh.topology",
+    "AXIS_TABLE": "wf_mesh.topology",
     "DERIVED_AXES": "wf_mesh.topology",
     "ParallelDims": "wf_mesh.topology",
     "ParallelMesh": "wf_mesh.mesh",
@@ -61,6 +66,9 @@ _EXPORTS: dict[str, str] = {
     "StateError": "wf_mesh.errors",
     "broadcast_shard": "wf_mesh.context_parallel",
     "gather_sequence": "wf_mesh.context_parallel",
+    "combine_guidance": "wf_mesh.guidance",
+    "guided_prediction": "wf_mesh.guidance",
+    "split_branches": "wf_mesh.guidance",
     "shard_sequence": "wf_mesh.context_parallel",
     "VideoSplit": "wf_mesh.video",
     "CPSelfAttention": "wf_mesh.attention",

@@ -2,12 +2,12 @@
 
 Subcommands::
 
-    wf-mesh plan --world-size 16 --tp 2 --cp 2 --pp 2 [--dp N] [--cp-ulysses N] [--order tp-cp-pp-dp]
+    wf-mesh plan --world-size 16 --tp 2 --cp 2 --pp 2 [--cfg 2] [--dp N] [--cp-ulysses N] [--order tp-cp-pp-dp]
                  [--axis AXIS] [--highlight RANK] [--max-rows N] [--max-cols N] [--html PATH]
         Print the rank grid and every axis's groups: ``str(wf_mesh.TopologyView(dims))``, the view a notebook
         renders (``--html`` writes its HTML). Pure arithmetic: no processes, no torch import, milliseconds even
         for a billion ranks (large worlds are cut, and the view says what it left out).
-    wf-mesh demo --nproc 4 --tp 2 --cp 2 [--pp 1] [--cp-ulysses 1] [--order tp-cp-pp-dp]
+    wf-mesh demo --nproc 4 --tp 2 --cp 2 [--pp 1] [--cfg 1] [--cp-ulysses 1] [--order tp-cp-pp-dp]
         Launch N local CPU processes (gloo) with torch's own launcher and run :mod:`wf_mesh.demo` on them,
         showing progress while the workers start.
     wf-mesh demo --nproc 2 --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT --tp 2 --cp 2 [--rdzv-timeout S]
@@ -15,6 +15,10 @@ Subcommands::
         multi-node rendezvous (``--rdzv-backend c10d`` by default) at HOST:PORT, a host every node reaches.
         While it waits for the other nodes it says so every few seconds; it gives up after ``--rdzv-timeout``
         seconds (default :data:`DEFAULT_RDZV_TIMEOUT`).
+
+The degree flags (``--tp --cp --pp --cfg --dp --cp-ulysses``) are generated from
+:data:`wf_mesh.topology.AXIS_TABLE` by :func:`add_degree_flags`, and read back by :func:`dims_from_args`; the
+demo's own parser uses the same two.
 
 Bad input is reported as one line on stderr with exit code 2, before anything is launched (and before torch
 is imported: this module never imports it). Ctrl-C / SIGTERM stop the whole process tree the demo started
@@ -37,14 +41,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from wf_mesh.process_tree import Interrupted, ProcessTree, interruptible
-from wf_mesh.topology import ParallelDims
+from wf_mesh.topology import AXIS_TABLE, DEFAULT_ORDER, ParallelDims
 
 __all__ = [
     "DEFAULT_RDZV_TIMEOUT",
     "PROGRESS_ENV",
     "STAGES",
+    "add_degree_flags",
     "build_parser",
+    "degree_args",
     "demo_command",
+    "dims_from_args",
     "main",
 ]
 
@@ -89,20 +96,77 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
-def _add_degrees(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+def add_degree_flags(parser: argparse.ArgumentParser) -> None:
+    """Add a degree option per :data:`~wf_mesh.topology.AXIS_TABLE` row (``--tp``, ``--cp``, ``--pp``, ``--cfg``,
+    ``--dp``), one per split (``--cp-ulysses``) and ``--order``; :func:`dims_from_args` reads them back.
+
+    Args:
+        parser: the parser (or subparser) to add them to.
+    """
+    for axis in AXIS_TABLE:
+        default = "inferred" if axis.inferred else str(axis.default)
+        parser.add_argument(
+            axis.flag,
+            dest=axis.name,
+            type=int,
+            default=axis.default,
+            metavar="N",
+            help=f"{axis.description} (default {default})",
+        )
+    for axis in AXIS_TABLE:
+        if axis.split:
+            parser.add_argument(
+                axis.split.flag,
+                dest=axis.split.fast,
+                type=int,
+                default=1,
+                metavar="N",
+                help=f"{axis.split.description}; shows both sub-axes (default 1)",
+            )
     parser.add_argument(
-        "--cp-ulysses",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split cp into cp_ring x cp_ulysses (Ulysses the faster sub-axis) and show both; default 1",
+        "--order",
+        default=DEFAULT_ORDER,
+        help=f"rank order, fastest-varying axis first (default {DEFAULT_ORDER}; an optional axis left out goes "
+        "just before dp)",
     )
-    parser.add_argument(
-        "--order", default="tp-cp-pp-dp", help="rank order, fastest-varying axis first (default tp-cp-pp-dp)"
-    )
+
+
+def dims_from_args(args: argparse.Namespace) -> ParallelDims:
+    """The :class:`~wf_mesh.topology.ParallelDims` that the :func:`add_degree_flags` options of ``args`` ask for.
+
+    Args:
+        args: parsed arguments of a parser given :func:`add_degree_flags`.
+
+    Returns:
+        The dims, not resolved.
+
+    Raises:
+        TypeError, ValueError: the degrees are not valid (ParallelDims judges).
+    """
+    fields = [a.name for a in AXIS_TABLE] + [a.split.fast for a in AXIS_TABLE if a.split]
+    return ParallelDims(order=args.order, **{name: getattr(args, name) for name in fields})
+
+
+def degree_args(dims: ParallelDims) -> list[str]:
+    """The :func:`add_degree_flags` options that ask for ``dims``' degrees and order (dp left to infer; an
+    optional axis or a split only when it is not its default, so the arguments of a four-axis world stay as
+    they were).
+
+    Args:
+        dims: the dims to pass on.
+
+    Returns:
+        Arguments such as ``["--tp", "2", "--cp", "2", "--pp", "1", "--order", "tp-cp-pp-dp"]``.
+    """
+    out: list[str] = []
+    for axis in AXIS_TABLE:
+        value = getattr(dims, axis.name)
+        if not axis.inferred and (not axis.optional or value != axis.default):
+            out += [axis.flag, str(value)]
+    for axis in AXIS_TABLE:
+        if axis.split and getattr(dims, axis.split.fast) != 1:
+            out += [axis.split.flag, str(getattr(dims, axis.split.fast))]
+    return [*out, "--order", dims.shown_order]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the rank layout and groups of a world (no processes, no torch)")
     plan.add_argument("--world-size", type=int, required=True, help="number of ranks")
-    _add_degrees(plan)
-    plan.add_argument("--dp", type=int, default=-1, help="data-parallel degree (default: inferred)")
+    add_degree_flags(plan)
     plan.add_argument("--axis", help="show this axis alone (e.g. dp_cp, tp-cp, cp_ulysses) and list its groups")
     plan.add_argument("--highlight", type=int, metavar="RANK", help="mark this rank with *")
     plan.add_argument("--max-rows", type=_positive(int), default=16, metavar="N", help="grid rows shown (16)")
@@ -126,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the mesh, CP, FSDP2 + EMA and the pipeline ring on CPU processes (gloo)")
     demo.add_argument("--nproc", type=int, required=True, help="processes per node (the world size on one node)")
-    _add_degrees(demo)
+    add_degree_flags(demo)
     nodes = demo.add_argument_group("several nodes (run the same command on every node)")
     nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1: a standalone local run)")
     nodes.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous; c10d numbers nodes)")
@@ -145,11 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dims(args: argparse.Namespace, world_size: int, dp: int = -1) -> ParallelDims:
+def _dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
     try:
-        return ParallelDims(
-            tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, order=args.order, cp_ulysses=args.cp_ulysses
-        ).resolve(world_size)
+        return dims_from_args(args).resolve(world_size)
     except (TypeError, ValueError) as e:
         raise _UsageError(str(e)) from None
 
@@ -158,7 +219,7 @@ def _dims(args: argparse.Namespace, world_size: int, dp: int = -1) -> ParallelDi
 def _plan(args: argparse.Namespace) -> int:
     from wf_mesh.viz import TopologyView
 
-    dims = _dims(args, args.world_size, args.dp)
+    dims = _dims(args, args.world_size)
     try:
         view = TopologyView(dims, args.axis, highlight=args.highlight, max_rows=args.max_rows, max_cols=args.max_cols)
         text = str(view)
@@ -216,7 +277,6 @@ def demo_command(
             "--rdzv-conf",
             f"join_timeout={seconds},timeout={seconds}",
         ]
-    ulysses = ["--cp-ulysses", str(dims.cp_ulysses)] if dims.cp_ulysses != 1 else []
     return [
         sys.executable,
         "-m",
@@ -227,15 +287,7 @@ def demo_command(
         str(nproc),
         "-m",
         "wf_mesh.demo",
-        "--tp",
-        str(dims.tp),
-        "--cp",
-        str(dims.cp),
-        "--pp",
-        str(dims.pp),
-        *ulysses,
-        "--order",
-        dims.order,
+        *degree_args(dims),
     ]
 
 

@@ -31,10 +31,11 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from wf_mesh.topology import ParallelDims
-from wf_mesh.viz import format_ranks, format_table, mesh_axes
+from wf_mesh.cli import add_degree_flags, dims_from_args
+from wf_mesh.topology import FSDP_AXIS, ParallelDims
+from wf_mesh.viz import format_ranks, format_table, mesh_axes, plural
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +72,6 @@ __all__ = [
 ]
 
 TIMEOUT_MINUTES = 5
-DEFAULT_ORDER = "tp-cp-pp-dp"
 
 
 class CheckFailed(Exception):
@@ -109,10 +109,6 @@ class CheckResult:
 
 
 Check = Callable[[DemoContext], CheckResult]
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 # ---- the mesh and its groups ----------------------------------------------------------------------------
@@ -288,13 +284,19 @@ class FsdpEmaResult(CheckResult):
     def summary(self) -> str:
         numel = sum(t.numel() for t in self.weights.values())
         return (
-            f"fsdp2 + ema: {self.steps} AdamW steps, {numel}-param MLP sharded over dp_cp "
-            f"({_plural(self.fsdp_size, 'rank')}); EMA full weights = one process (err {self.max_err:.0e})"
+            f"fsdp2 + ema: {self.steps} AdamW steps, {numel}-param MLP sharded over {FSDP_AXIS} "
+            f"({plural(self.fsdp_size, 'rank')}); EMA full weights = one process (err {self.max_err:.0e})"
         )
 
 
+def _full(parameter: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 parameter (a DTensor)."""
+    dtensor: Any = parameter
+    return dtensor.full_tensor().detach()
+
+
 def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: float = 1e-5) -> FsdpEmaResult:
-    """``fully_shard`` a tiny MLP over the FSDP axis (dp_cp), train a few AdamW steps on per-rank batches with a
+    """``fully_shard`` a tiny MLP over the FSDP axis (dp_cfg_cp: dp_cp while cfg is 1), train a few AdamW steps on per-rank batches with a
     :class:`~wf_mesh.ShardedEMA` update after each; the EMA's full weights (DTensor ``full_tensor``) and the
     model's equal a single-process run on the whole batch with a plain float32 EMA."""
     import torch
@@ -303,7 +305,7 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
 
     import wf_mesh
 
-    fsdp, index, size = ctx.mesh.fsdp_mesh(), ctx.mesh.rank("dp_cp"), ctx.mesh.size("dp_cp")
+    fsdp, index, size = ctx.mesh.fsdp_mesh(), ctx.mesh.rank(FSDP_AXIS), ctx.mesh.size(FSDP_AXIS)
     ref = tiny_mlp()
     model = tiny_mlp()
     for layer in (model[0], model[2]):
@@ -315,7 +317,7 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(steps):
         xs, ys = fsdp_batch(step, size)
-        nn.functional.mse_loss(model(xs[index]), ys[index]).backward()  # FSDP2 averages gradients over dp_cp
+        nn.functional.mse_loss(model(xs[index]), ys[index]).backward()  # FSDP2 averages gradients over the FSDP axis
         opt.step()
         opt.zero_grad()
         ema.update(model)
@@ -326,7 +328,7 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
             for n, p in ref.named_parameters():
                 ref_ema[n].mul_(beta).add_(p, alpha=1 - beta)
     full_ema = {n: v.full_tensor() for n, v in ema.state_dict().items()}  # all-gathers over dp_cp
-    full_model = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    full_model = {n: _full(p) for n, p in model.named_parameters()}
     ema_err = max(_max_err(full_ema[n], ref_ema[n], f"EMA {n}") for n in ref_ema)
     model_err = max(_max_err(full_model[n], p, f"weight {n}") for n, p in ref.named_parameters())
     if ema_err > tol or model_err > tol:
@@ -349,7 +351,7 @@ class PipelineRingResult(CheckResult):
     @property
     def summary(self) -> str:
         path = " -> ".join(map(str, [*self.ring, self.ring[0]]))
-        return f"pipeline ring: a token went around {_plural(self.rings, 'pp ring')} ({path} here) via PipelineP2P"
+        return f"pipeline ring: a token went around {plural(self.rings, 'pp ring')} ({path} here) via PipelineP2P"
 
 
 def check_pipeline_ring(ctx: DemoContext) -> PipelineRingResult:
@@ -485,12 +487,8 @@ def _start(dims: ParallelDims) -> DistributedSession:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m wf_mesh.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp-ulysses", type=int, default=1)
-    parser.add_argument("--order", default=DEFAULT_ORDER)
+    parser = argparse.ArgumentParser(prog="python -m wf_mesh.demo", description=(__doc__ or "").splitlines()[0])
+    add_degree_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -521,9 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
     try:
-        dims = ParallelDims(tp=args.tp, cp=args.cp, pp=args.pp, order=args.order, cp_ulysses=args.cp_ulysses).resolve(
-            world_size
-        )
+        dims = dims_from_args(args).resolve(world_size)
     except (TypeError, ValueError) as e:
         if rank == 0:
             print(f"wf_mesh.demo: error: {e}", file=sys.stderr)
@@ -542,14 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _progress("joined")
         mesh = session.mesh
         ctx = DemoContext.from_mesh(mesh)
-        reports = [None] * world_size if rank == 0 else None
+        reports: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(_rank_report(ctx), reports, dst=0)
         if rank == 0:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             procs = f"{per_node} process{'es' if per_node > 1 else ''}"
             nodes = f" ({world_size // per_node} nodes x {procs})" if per_node < world_size else ""
             _say(f"wf-mesh demo: {world_size} ranks{nodes} on {mesh.backend}/{mesh.device_type}, {dims}")
-            _say(format_report(reports))
+            _say(format_report(reports or []))
         outcomes = run_checks(ctx, echo=_say if rank == 0 else None)
         elapsed = time.perf_counter() - start
         ok = all(o.status != "fail" for o in outcomes)

@@ -1,43 +1,51 @@
-"""ParallelMesh: ONE DeviceMesh with axes tp/cp/pp/dp, plus the derived axes, created once, up front.
+"""ParallelMesh: ONE DeviceMesh over the axes of the table, plus the derived axes, created once, up front.
 
-Every process group wf_mesh uses comes from here. The root mesh is built by a single
-``init_device_mesh`` call whose dim names are the order reversed (``("dp", "pp", "cp", "tp")`` for the
-default ``"tp-cp-pp-dp"``), so that its row-major layout matches Megatron/MAGI's ranks. Derived axes
-(``tp_cp``, ``dp_cp``, ``tp_pp``, ``tp_cp_dp``, ``tp_dp``) are flattened views created collectively at
-construction and kept in the mesh's own registry; they are never re-sliced from the root by name.
+Every process group wf_mesh uses comes from here. The root mesh is built by a single ``init_device_mesh`` call
+over the axes in use (:attr:`~wf_mesh.topology.ParallelDims.axis_order`: tp, cp, pp, dp always, the optional
+cfg only when it is 2) whose dim names are the order reversed (``("dp", "pp", "cp", "tp")`` for the default,
+``("dp", "cfg", "pp", "cp", "tp")`` with cfg=2), so that its row-major layout matches Megatron/MAGI's ranks.
+An optional axis of degree 1 makes no dim and no group: a mesh without cfg costs exactly what a four-axis mesh
+costs; its ``size``/``rank``/``ranks`` still answer (1, 0, this rank), ``mesh["cfg"]`` is a KeyError saying why.
+Derived axes (``tp_cp``, ``dp_cp``, ``tp_pp``, ``tp_cp_dp``, ``tp_dp``, ``dp_cfg_cp``) are flattened views
+created collectively at construction and kept in the mesh's own registry; they are never re-sliced from the
+root by name. A derived axis whose members in use are another's IS that axis's mesh (``dp_cfg_cp`` at cfg=1 is
+``dp_cp``: no extra group).
 
-FSDP2 (``fully_shard``) takes :meth:`ParallelMesh.fsdp_mesh` (the 1-D ``dp_cp`` axis: CP ranks hold the same
-weights). For HSDP, ``init_parallel(dims, dp_replicate=R)`` also builds, up front, a 2-D view with dim names
-``("replicate", "shard")`` (:meth:`ParallelMesh.hsdp_mesh`): dp splits into R replicas of
-``dp_shard = dp // R`` ranks, and a shard group holds dp_shard x cp ranks. Rank order: a rank's dp
-coordinate is ``replicate * dp_shard + dp_shard_index`` (dp_shard fastest, torchtitan's convention); a shard
-group lists its dp_shard and cp coordinates in ``order`` order, fastest first, so with ``dp_replicate=1`` it
-is exactly the ``dp_cp`` group. Its 1-D axes are also registered as ``mesh["replicate"]`` and ``mesh["shard"]``.
+FSDP2 (``fully_shard``) takes :meth:`ParallelMesh.fsdp_mesh`: the 1-D :data:`~wf_mesh.topology.FSDP_AXIS`
+``dp_cfg_cp`` (the cfg branches and the CP ranks hold the same weights). For HSDP, ``init_parallel(dims,
+dp_replicate=R)`` also builds, up front, a 2-D view with dim names ``("replicate", "shard")``
+(:meth:`ParallelMesh.hsdp_mesh`): dp splits into R replicas of ``dp_shard = dp // R`` ranks, and a shard group
+holds dp_shard x cfg x cp ranks. Rank order: a rank's dp coordinate is ``replicate * dp_shard +
+dp_shard_index`` (dp_shard fastest, torchtitan's convention); a shard group lists its coordinates in ``order``
+order, fastest first, so with ``dp_replicate=1`` it is exactly the FSDP group. Its 1-D axes are also
+registered as ``mesh["replicate"]`` and ``mesh["shard"]``.
 
 With ``ParallelDims(cp=C, cp_ulysses=U)`` (U > 1) the cp axis is also split into ``mesh["cp_ulysses"]`` (U consecutive
 cp ranks) and ``mesh["cp_ring"]`` (C / U ranks, stride U) for USP attention; see :mod:`wf_mesh.topology`.
 
-Creation is collective and agreed: before any subgroup exists, the ranks exchange their dims, order,
-``dp_replicate``, timeout, device type and ``checks`` over the default group, and if any rank's arguments are
-invalid or differ, every rank raises the same error naming each rank's value (instead of hanging in
-subgroup creation). Subgroups inherit the default group's timeout unless ``timeout`` says otherwise; an axis
-that spans the whole world then IS the default group (no new communicator).
+Creation is collective and agreed: before any subgroup exists, the ranks exchange their degrees (one per
+table axis), order, ``dp_replicate``, timeout, device type, ``checks``, NCCL config and extra axes over the
+default group, and if any rank's arguments are invalid or differ, every rank raises the same error naming each
+rank's value (instead of hanging in subgroup creation). Subgroups inherit the default group's timeout unless
+``timeout`` says otherwise; an axis that spans the whole world then IS the default group (no new communicator).
 
 Example::
 
-    dist.init_process_group("gloo")                 # or dist_init(config) / torchrun + nccl
-    pm = init_parallel(ParallelDims(tp=2, cp=2))     # dp inferred from the world size
+    session = wf_mesh.init_from_env(ParallelDims(tp=2, cp=2))   # or dist.init_process_group + init_parallel
+    pm = session.mesh                                # dp inferred from the world size
     pm["cp"]                                         # 1-D DeviceMesh of this rank's cp group
     pm.group("dp_cp"), pm.rank("tp"), pm.size("pp")
-    pm.destroy()                                     # subgroups destroyed; default group left alive
+    session.close()                                  # subgroups destroyed, then the default group it made
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +53,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from wf_mesh import _compat, agreement
 from wf_mesh.errors import NotInitializedError, StateError
-from wf_mesh.topology import AXES, DERIVED_AXES, SUB_AXES, ParallelDims, as_int, parse_axes
+from wf_mesh.topology import AXES, AXIS_TABLE, DERIVED_AXES, FSDP_AXIS, SUB_AXES, ParallelDims, as_int, parse_axes
 
 __all__ = [
+    "DEVICE_TYPES",
     "ParallelMesh",
     "extensions",
     "get_parallel_mesh",
@@ -58,8 +67,8 @@ __all__ = [
     "reset_extensions",
 ]
 
-_ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]
-_DEVICE_TYPES = ["cpu", "cuda"]
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
+"""The device types a mesh (and every mesh wf_mesh builds) may use."""
 
 _current: ParallelMesh | None = None
 _extensions: dict[str, Callable[[bool], None]] = {}
@@ -93,7 +102,7 @@ def reset_extensions(destroy_process_groups: bool = True) -> None:
 
 
 class ParallelMesh:
-    """The process-wide mesh: a root DeviceMesh over tp/cp/pp/dp and a registry of derived axes.
+    """The process-wide mesh: a root DeviceMesh over the axes in use and a registry of derived axes.
 
     Build it with :func:`init_parallel`. Lookups take a base axis (``"tp"``), a derived axis
     (``"dp_cp"``), or the same as a token (``"dp-cp"``).
@@ -140,7 +149,8 @@ class ParallelMesh:
         return self._global_rank
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """Coordinates ``{"tp": .., "cp": .., "pp": .., "dp": ..}`` of ``rank`` (default: this rank)."""
+        """Coordinates on the axes in use (``{"tp": .., "cp": .., "pp": .., "dp": ..}``, and ``"cfg"`` when it is
+        2) of ``rank`` (default: this rank)."""
         return self.dims.coords(self._global_rank if rank is None else rank)
 
     def _key(self, axis: str) -> str:
@@ -150,14 +160,34 @@ class ParallelMesh:
             raise TypeError(f"a mesh axis is a str such as 'cp' or 'dp_cp', got {type(axis).__name__} {axis!r}")
         if axis in self._axes:
             return axis
-        try:
-            members = set(parse_axes(axis))
-        except ValueError:
-            members = set()
+        members = self._members(axis)
         for name in self._axes:  # "dp-cp" and "cp-dp" find the derived axis "dp_cp"
-            if members and members == _members(name):
+            if members and members == self._members(name):
                 return name
+        if self._single(axis):
+            raise KeyError(
+                f"mesh axis {axis!r} is not in this mesh: its group is one rank ({self.dims}; an optional axis of "
+                f"degree 1 has no group); size/rank/ranks still answer, valid axes are {list(self._axes)}"
+            )
         raise KeyError(f"unknown mesh axis {axis!r}; valid axes are {list(self._axes)}")
+
+    def _members(self, axis: str) -> set[str]:
+        """The axes in use that token ``axis`` names (empty for names that are not tokens: "replicate")."""
+        try:
+            names = parse_axes(axis)
+        except ValueError:
+            return set()
+        return {n for n in names if self.dims.in_use(SUB_AXES.get(n, n))}
+
+    def _single(self, axis: str) -> bool:
+        """Whether ``axis`` is a token of axes not in use (cfg at 1): every group is a single rank, no group."""
+        if self.destroyed or not isinstance(axis, str) or axis in self._axes:
+            return False
+        try:
+            parse_axes(axis)
+        except ValueError:
+            return False
+        return not self._members(axis)
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         """The 1-D DeviceMesh of this rank's group on ``axis``."""
@@ -175,21 +205,22 @@ class ParallelMesh:
         return self[axis].get_group()
 
     def rank(self, axis: str) -> int:
-        """This rank's index inside its ``axis`` group."""
-        return self[axis].get_local_rank()
+        """This rank's index inside its ``axis`` group (0 on an axis not in use)."""
+        return 0 if self._single(axis) else self[axis].get_local_rank()
 
     def size(self, axis: str) -> int:
-        """Number of ranks in one ``axis`` group."""
-        return self[axis].size()
+        """Number of ranks in one ``axis`` group (1 on an axis not in use, such as cfg at degree 1)."""
+        return 1 if self._single(axis) else self[axis].size()
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's ``axis`` group, in group order."""
-        return device_mesh_ranks(self[axis])
+        return [self._global_rank] if self._single(axis) else device_mesh_ranks(self[axis])
 
     # ---- FSDP2 views --------------------------------------------------------------------------------
     def fsdp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh to pass to ``fully_shard`` for plain FSDP: this rank's ``dp_cp`` axis."""
-        return self["dp_cp"]
+        """The 1-D mesh to pass to ``fully_shard`` for plain FSDP: this rank's :data:`~wf_mesh.topology.FSDP_AXIS`
+        (``dp_cfg_cp``: the ranks holding the same weights; the ``dp_cp`` group while cfg is 1)."""
+        return self[FSDP_AXIS]
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -197,7 +228,7 @@ class ParallelMesh:
         return self._hsdp is not None
 
     def hsdp_mesh(self) -> DeviceMesh:
-        """The 2-D ``("replicate", "shard")`` mesh for HSDP ``fully_shard``; shard = dp_shard x cp.
+        """The 2-D ``("replicate", "shard")`` mesh for HSDP ``fully_shard``; shard = dp_shard x cfg x cp.
 
         Raises RuntimeError unless the mesh was built with ``init_parallel(..., dp_replicate=R)``.
         """
@@ -234,18 +265,55 @@ class ParallelMesh:
         return f"ParallelMesh({self.dims}, device_type={self.device_type!r}, {state})"
 
 
-def _members(axis: str) -> set[str]:
-    try:
-        return set(parse_axes(axis))
-    except ValueError:  # "replicate", "shard": names, not tokens
-        return set()
-
-
 def _timeout_ms(timeout: datetime.timedelta | None) -> int:
     return -1 if timeout is None else round(timeout.total_seconds() * 1000)
 
 
-def _agree_on_creation(
+def _all_orders() -> tuple[str, ...]:
+    """Every order a resolved ParallelDims can show: permutations of the axes always in use plus any of the
+    optional ones (the agreement sends an order as its index here)."""
+    always = [a.name for a in AXIS_TABLE if not a.optional]
+    optional = [a.name for a in AXIS_TABLE if a.optional]
+    subsets = (c for n in range(len(optional) + 1) for c in itertools.combinations(optional, n))
+    return tuple("-".join(p) for extra in subsets for p in itertools.permutations([*always, *extra]))
+
+
+_ORDERS = _all_orders()
+
+_CREATION_FIELDS: list[tuple[str, object, object]] = [
+    ("order", str, agreement.fact(choices=_ORDERS)),
+    ("dp_replicate", int | None, dataclasses.field()),
+    ("timeout_ms", int, agreement.fact(label="timeout")),
+    ("device_type", str, agreement.fact(choices=DEVICE_TYPES)),
+    ("checks", bool, dataclasses.field()),
+    ("nccl_config", int, agreement.fact(label="nccl_config")),  # a crc of the sorted config
+    ("extra_axes", int, agreement.fact(label="extra_axes")),  # a crc of the extra flattened axes
+]
+"""What init_parallel agrees on besides the degrees."""
+
+_RENDER: dict[str, Callable[[Any], object]] = {
+    "timeout_ms": lambda v: "the default group's" if v < 0 else f"{v / 1000:g} s",
+    "nccl_config": lambda v: f"crc {v:08x}",
+    "extra_axes": lambda v: f"crc {v:08x}",
+}
+"""How messages show the fields that travel encoded."""
+
+
+def _degree_fields() -> list[str]:
+    """The degree fields of ParallelDims, from the axis table: every base axis, then every split's fast axis."""
+    return [a.name for a in AXIS_TABLE] + [a.split.fast for a in AXIS_TABLE if a.split]
+
+
+_CreationFacts: Any = dataclasses.make_dataclass(  # generated, so typed Any: its fields are the table's
+    "_CreationFacts",
+    [*((name, int) for name in _degree_fields()), *_CREATION_FIELDS],
+    bases=(agreement.Facts,),
+    frozen=True,
+)
+_CreationFacts.__doc__ = "What every rank asks init_parallel for: a degree per table axis and the options."
+
+
+def _creation_facts(
     dims: ParallelDims,
     device_type: str | None,
     timeout: datetime.timedelta | None,
@@ -253,81 +321,61 @@ def _agree_on_creation(
     dp_replicate: int | None,
     checks: bool | None,
     extra_axes: tuple[str, ...],
-) -> tuple[ParallelDims, str, bool]:
+) -> agreement.Facts:
+    """This rank's validation of its init_parallel arguments, as its record (the dims resolved)."""
+    if _current is not None:
+        raise StateError(
+            f"model parallel is already initialized ({_current.dims}); call "
+            "wf_mesh.destroy_model_parallel() before initializing again"
+        )
+    if not isinstance(dims, ParallelDims):
+        raise TypeError(f"init_parallel takes a ParallelDims, got {type(dims).__name__} {dims!r}")
+    resolved = dims.resolve(dist.get_world_size())
+    if dp_replicate is not None:
+        _check_dp_replicate(resolved, dp_replicate)
+    device = device_type if device_type is not None else ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"device_type={device!r}: use one of {list(DEVICE_TYPES)}")
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    config = dict(nccl_config or {})
+    unknown = sorted(set(config) - set(AXES) - set(DERIVED_AXES))
+    if unknown:
+        raise ValueError(f"nccl_config has unknown axes {unknown}; axes are {[*AXES, *DERIVED_AXES]}")
+    extra = sorted(_extra_axes(resolved, extra_axes))
+    return _CreationFacts(
+        **{name: getattr(resolved, name) for name in _degree_fields()},
+        order=resolved.shown_order,
+        dp_replicate=dp_replicate,
+        timeout_ms=_timeout_ms(timeout),
+        device_type=device,
+        checks=agreement.checks_enabled() if checks is None else bool(checks),
+        nccl_config=zlib.crc32(repr(sorted(config.items())).encode()),
+        extra_axes=zlib.crc32(repr(extra).encode()),
+    )
+
+
+def _agree_on_creation(dims: ParallelDims, *options: Any) -> tuple[ParallelDims, str, bool]:
     """Validate here and agree with every rank (one all-gather over the default group); returns the resolved
     dims, the device type and the checks setting, or raises the same error on every rank."""
-    backend = dist.get_backend()
-    resolved: list = []
+    world: Any = dist.group.WORLD
+    agreed: agreement.Agreed[Any] = agreement.agree(
+        world, lambda: _creation_facts(dims, *options), what="init_parallel", required=True
+    )
+    hint = "; every rank must build the same mesh"
+    for field in dataclasses.fields(_CreationFacts):
+        name, label = field.name, _CreationFacts.label(field.name)
+        if name in _RENDER:
 
-    def facts() -> list[int]:
-        if _current is not None:
-            raise StateError(
-                f"model parallel is already initialized ({_current.dims}); call "
-                "wf_mesh.destroy_model_parallel() before initializing again"
-            )
-        if not isinstance(dims, ParallelDims):
-            raise TypeError(f"init_parallel takes a ParallelDims, got {type(dims).__name__} {dims!r}")
-        d = dims.resolve(dist.get_world_size())
-        if dp_replicate is not None:
-            _check_dp_replicate(d, dp_replicate)
-        device = device_type if device_type is not None else ("cuda" if backend == "nccl" else "cpu")
-        if device not in _DEVICE_TYPES:
-            raise ValueError(f"device_type={device!r}: use one of {_DEVICE_TYPES}")
-        if timeout is not None and not (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0):
-            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-        config = dict(nccl_config or {})
-        unknown = sorted(set(config) - set(AXES) - set(DERIVED_AXES))
-        if unknown:
-            raise ValueError(f"nccl_config has unknown axes {unknown}; axes are {[*AXES, *DERIVED_AXES]}")
-        check = agreement.checks_enabled() if checks is None else bool(checks)
-        extra = sorted(_extra_axes(d, extra_axes))
-        resolved[:] = [d, device, check]
-        return [
-            d.tp,
-            d.cp,
-            d.pp,
-            d.dp,
-            d.cp_ulysses,
-            _ORDERS.index(d.order),
-            dp_replicate or 0,
-            _timeout_ms(timeout),
-            _DEVICE_TYPES.index(device),
-            int(check),
-            zlib.crc32(repr(sorted(config.items())).encode()),
-            zlib.crc32(repr(extra).encode()),
-        ]
+            def shown(row: Any, name: str = name) -> object:
+                return _RENDER[name](getattr(row, name))
 
-    agreed = agreement.agree(dist.group.WORLD, facts, what="init_parallel", required=True)
-    names = [
-        "tp",
-        "cp",
-        "pp",
-        "dp",
-        "cp_ulysses",
-        "order",
-        "dp_replicate",
-        "timeout",
-        "device_type",
-        "checks",
-        "nccl_config",
-        "extra_axes",
-    ]
-    render = {
-        "order": lambda v: _ORDERS[v],
-        "timeout": lambda v: "the default group's" if v < 0 else f"{v / 1000:g} s",
-        "device_type": lambda v: _DEVICE_TYPES[v],
-        "dp_replicate": lambda v: v or None,
-        "checks": bool,
-        "nccl_config": lambda v: f"crc {v:08x}",
-        "extra_axes": lambda v: f"crc {v:08x}",
-    }
-    for i, name in enumerate(names):
-        agreed.require_same(
-            name,
-            lambda row, i=i, name=name: render.get(name, int)(row[i]),
-            hint="; every rank must build the same mesh",
-        )
-    return tuple(resolved)
+            agreed.require_same(key=shown, label=label, hint=hint)
+        else:
+            agreed.require_same(name, hint=hint)
+    mine: Any = agreed.mine
+    resolved = dims.resolve(dist.get_world_size())
+    return resolved, mine.device_type, mine.checks
 
 
 def init_parallel(
@@ -355,7 +403,10 @@ def init_parallel(
         checks: run the validation-only agreement exchanges of every collective call (default: the
             ``WF_MESH_CHECKS`` environment variable, on unless it is ``"0"``); see :mod:`wf_mesh.agreement`.
         extra_axes: more flattened axes to create up front besides the derived ones, as tokens of base
-            axes (``"tp-pp-dp"``); each is registered under its members joined by ``_`` in ``order`` order.
+            axes (``"tp-pp-dp"``); each is registered under its members in use joined by ``_`` in ``order`` order.
+
+    Returns:
+        The new current mesh.
 
     Raises (on every rank, before any subgroup is created):
         RuntimeError: torch.distributed is not initialized (this rank only), or a mesh is already current.
@@ -365,50 +416,19 @@ def init_parallel(
     global _current
     if not dist.is_initialized():
         raise RuntimeError(
-            "torch.distributed is not initialized: call wf_mesh.dist_init(config) or "
-            "torch.distributed.init_process_group(...) before building the mesh"
+            "torch.distributed is not initialized: call wf_mesh.init_from_env(dims) (it starts the default group "
+            "and builds the mesh) or torch.distributed.init_process_group(...) before building the mesh"
         )
     dims, device_type, checks = _agree_on_creation(
         dims or ParallelDims(), device_type, timeout, nccl_config, dp_replicate, checks, tuple(extra_axes)
     )
     backend = dist.get_backend()
-    nccl_config = dict(nccl_config or {})
     default_timeout = _compat.default_group_timeout()
-    world = dims.world_size
-
-    def options(axis: str, size: int):
-        # No options = the default group for an axis spanning the world (torch's rule), and torch's global
-        # default timeout for the others: pass options only where they change something.
-        if size == world and timeout in (None, default_timeout) and axis not in nccl_config:
-            return None
-        return _compat.backend_options(backend, timeout or default_timeout, nccl_config.get(axis))
-
-    root = init_device_mesh(
-        device_type,
-        dims.mesh_shape,
-        mesh_dim_names=dims.mesh_dim_names,
-        backend_override={a: o for a in AXES if (o := options(a, dims.degree(a))) is not None} or None,
-    )
-    axes: dict[str, DeviceMesh] = {a: root[a] for a in AXES}
-    meshes: list[DeviceMesh] = []
-
-    def add_flattened(name: str, members: tuple[str, ...], opts) -> None:
-        submesh = root[tuple(a for a in dims.mesh_dim_names if a in members)]  # slices go in root order
-        axes[name] = _compat.flatten(submesh, name, opts)
-        meshes.append(axes[name])
-
-    for name, members in {**DERIVED_AXES, **_extra_axes(dims, extra_axes)}.items():
-        add_flattened(name, members, options(name, dims.degree(members)))
-    if dims.cp_ulysses > 1:
-        split = _compat.unflatten(
-            root,
-            "cp",
-            (dims.cp_ring, dims.cp_ulysses),
-            ("cp_ring", "cp_ulysses"),
-            {a: o for a in SUB_AXES if (o := options(a, dims.degree(a))) is not None},
-        )
-        axes["cp_ring"], axes["cp_ulysses"] = split["cp_ring"], split["cp_ulysses"]
-        meshes.append(split)
+    options = _OptionsFor(dims, backend, timeout, default_timeout, dict(nccl_config or {}))
+    root = _build_root(dims, device_type, options)
+    axes: dict[str, DeviceMesh] = {a: root[a] for a in dims.axis_order}
+    meshes = _add_flattened_axes(dims, root, axes, extra_axes, options)
+    meshes += _add_sub_axes(dims, root, axes, options)
     hsdp = None
     if dp_replicate is not None:
         hsdp = _build_hsdp(dims, dp_replicate, device_type, options("shard", 0))
@@ -419,14 +439,87 @@ def init_parallel(
     return _current
 
 
+@dataclasses.dataclass(frozen=True)
+class _OptionsFor:
+    """The backend options of each axis's groups: ``options(axis, size)``."""
+
+    dims: ParallelDims
+    backend: str
+    timeout: datetime.timedelta | None
+    default_timeout: datetime.timedelta
+    nccl_config: dict[str, Mapping[str, int]]
+
+    def __call__(self, axis: str, size: int) -> Any:
+        # No options = the default group for an axis spanning the world (torch's rule), and torch's global
+        # default timeout for the others: pass options only where they change something.
+        spans_world = size == self.dims.world_size
+        if spans_world and self.timeout in (None, self.default_timeout) and axis not in self.nccl_config:
+            return None
+        return _compat.backend_options(self.backend, self.timeout or self.default_timeout, self.nccl_config.get(axis))
+
+
+def _build_root(dims: ParallelDims, device_type: str, options: _OptionsFor) -> DeviceMesh:
+    """The one ``init_device_mesh`` over the axes in use (dim names: the order reversed)."""
+    overrides: Any = {a: o for a in dims.axis_order if (o := options(a, dims.degree(a))) is not None}
+    return init_device_mesh(
+        device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names, backend_override=overrides or None
+    )
+
+
+def _add_flattened_axes(
+    dims: ParallelDims,
+    root: DeviceMesh,
+    axes: dict[str, DeviceMesh],
+    extra_axes: Sequence[str],
+    options: _OptionsFor,
+) -> list[DeviceMesh]:
+    """Flatten every derived (and extra) axis into ``axes``; an axis whose members in use are those of an axis
+    already there (``dp_cfg_cp`` at cfg=1 is ``dp_cp``; one member: the root's dim) is that axis's mesh.
+    Returns the meshes created."""
+    built = {frozenset([a]): a for a in dims.axis_order}
+    created = []
+    for name, members in {**DERIVED_AXES, **_extra_axes(dims, extra_axes)}.items():
+        in_use = tuple(a for a in dims.mesh_dim_names if a in members)  # slices go in root order
+        same = built.get(frozenset(in_use))
+        if same is not None:
+            axes[name] = axes[same]
+            continue
+        axes[name] = _compat.flatten(root[in_use], name, options(name, dims.degree(members)))
+        built[frozenset(in_use)] = name
+        created.append(axes[name])
+    return created
+
+
+def _add_sub_axes(
+    dims: ParallelDims, root: DeviceMesh, axes: dict[str, DeviceMesh], options: _OptionsFor
+) -> list[DeviceMesh]:
+    """Unflatten every split axis in use into its sub-axes (``cp`` into ``cp_ring`` x ``cp_ulysses``) when it
+    is split; returns the meshes created."""
+    created = []
+    for axis in AXIS_TABLE:
+        split = axis.split
+        if split is None or getattr(dims, split.fast) == 1 or not dims.in_use(axis.name):
+            continue
+        names = (split.slow, split.fast)  # row-major: the fast sub-axis last
+        sizes = (dims.degree(split.slow), dims.degree(split.fast))
+        overrides = {a: o for a in names if (o := options(a, dims.degree(a))) is not None}
+        unflat = _compat.unflatten(root, axis.name, sizes, names, overrides)
+        for name in names:
+            axes[name] = unflat[name]
+        created.append(unflat)
+    return created
+
+
 def _extra_axes(dims: ParallelDims, tokens: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """``{name: base axes}`` of the requested extra flattened axes that are not derived axes already."""
+    """``{name: base axes in use}`` of the requested extra flattened axes that are not derived axes already."""
     out = {}
+    derived = [{a for a in m if dims.in_use(a)} for m in DERIVED_AXES.values()]
     for token in tokens:
-        members = tuple(a for a in dims.axis_order if a in parse_axes(token))
-        if set(members) != set(parse_axes(token)):
+        names = parse_axes(token)
+        if not set(names) <= set(AXES):
             raise ValueError(f"extra axis {token!r}: only base axes {list(AXES)} can be flattened")
-        if len(members) > 1 and set(members) not in [set(m) for m in DERIVED_AXES.values()]:
+        members = tuple(a for a in dims.axis_order if a in names)
+        if len(members) > 1 and set(members) not in derived:
             out["_".join(members)] = members
     return out
 
@@ -435,16 +528,26 @@ def _check_dp_replicate(dims: ParallelDims, dp_replicate: int) -> None:
     dp_replicate = as_int("dp_replicate", dp_replicate, minimum=1)
     if dims.dp % dp_replicate:
         raise ValueError(
-            f"dp_replicate={dp_replicate} does not divide dp={dims.dp} (tp={dims.tp}, cp={dims.cp}, "
-            f"pp={dims.pp}, dp={dims.dp}); HSDP needs dp = dp_replicate * dp_shard"
+            f"dp_replicate={dp_replicate} does not divide dp={dims.dp} ({dims.factors()}); HSDP needs dp = dp_replicate * dp_shard"
         )
 
 
 def hsdp_rank_grid(dims: ParallelDims, dp_replicate: int) -> torch.Tensor:
-    """Global ranks of every HSDP view, shape ``(tp * pp, dp_replicate, dp // dp_replicate * cp)``.
+    """Global ranks of every HSDP view, shape ``(tp * pp, dp_replicate, dp // dp_replicate * cfg * cp)``.
 
-    Pure (no process groups). Row ``i`` is the ``("replicate", "shard")`` mesh of one tp x pp coordinate;
-    the rank order is the one in the module docstring.
+    Pure (no process groups). Row ``i`` is the ``("replicate", "shard")`` mesh of one tp x pp coordinate: a
+    shard group spans the dp shards and the other axes of :data:`~wf_mesh.topology.FSDP_AXIS` (cfg, cp); the
+    rank order is the one in the module docstring.
+
+    Args:
+        dims: resolved dims.
+        dp_replicate: the number of replicas; must divide dp.
+
+    Returns:
+        An int64 tensor of global ranks.
+
+    Raises:
+        ValueError: ``dp_replicate`` does not divide dp.
     """
     _check_dp_replicate(dims, dp_replicate)
     names = list(dims.mesh_dim_names)  # root order: last varies fastest
@@ -453,13 +556,14 @@ def hsdp_rank_grid(dims: ParallelDims, dp_replicate: int) -> torch.Tensor:
     shape[d : d + 1] = [dp_replicate, dims.dp // dp_replicate]
     names[d : d + 1] = ["replicate", "dp_shard"]
     rep = names.index("replicate")
-    shard = [i for i, n in enumerate(names) if n in ("dp_shard", "cp")]
+    shard_axes = {"dp_shard", *DERIVED_AXES[FSDP_AXIS]} - {"dp"}
+    shard = [i for i, n in enumerate(names) if n in shard_axes]
     outside = [i for i in range(len(names)) if i != rep and i not in shard]
     grid = dims.rank_grid().reshape(shape).permute(*outside, rep, *shard)
-    return grid.reshape(-1, dp_replicate, dims.dp // dp_replicate * dims.cp)
+    return grid.reshape(-1, dp_replicate, dims.degree(FSDP_AXIS) // dp_replicate)
 
 
-def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts) -> DeviceMesh:
+def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts: Any) -> DeviceMesh:
     """Build every tp x pp coordinate's 2-D view (``new_group`` is collective, so every rank builds all of
     them, in the same order) and return the one holding this rank. Public DeviceMesh API only."""
     override = None if opts is None else ((None, opts), (None, opts))
@@ -468,6 +572,7 @@ def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts) -
         view = DeviceMesh(device_type, grid, mesh_dim_names=("replicate", "shard"), backend_override=override)
         if bool((grid == rank).any()):
             mine = view
+    assert mine is not None  # every rank is in one view
     return mine
 
 
@@ -481,7 +586,7 @@ def get_parallel_mesh() -> ParallelMesh:
     if _current is None:
         raise NotInitializedError(
             "model parallel is not initialized: call wf_mesh.initialize_model_parallel(...) "
-            "(or wf_mesh.init_parallel / wf_mesh.dist_init) first"
+            "(or wf_mesh.init_from_env / wf_mesh.init_parallel) first"
         )
     return _current
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from wf_mesh.sizing import chunk_range
-from wf_mesh.topology import AXES, DERIVED_AXES, ParallelDims, parse_axes
+from wf_mesh.topology import AXES, AXIS_TABLE, DERIVED_AXES, FSDP_AXIS, SUB_AXES, ParallelDims, parse_axes
 
 __all__ = [
     "PLAN_AXES",
@@ -40,19 +40,25 @@ __all__ = [
     "format_table",
     "mesh_axes",
     "parse_placement",
+    "plural",
     "show_topology",
 ]
 
-PLAN_AXES: tuple[str, ...] = (*AXES, *DERIVED_AXES)
-"""The four base axes, then the derived ones: the axes every ParallelMesh has."""
+PLAN_AXES: tuple[str, ...] = ParallelDims().shown_axes
+"""The axes every ParallelMesh shows: the base axes that are not optional, then the derived ones made of them."""
 
-_AXIS_NOTES = {"dp_cp": "FSDP", "tp_pp": "model parallel", "cp_ulysses": "Ulysses all-to-all", "cp_ring": "ring"}
+_AXIS_NOTES = {
+    "tp_pp": "model parallel",
+    "cp_ulysses": "Ulysses all-to-all",
+    "cp_ring": "ring",
+    "cfg": "guidance branches",
+}
 
 
 def mesh_axes(dims: ParallelDims) -> tuple[str, ...]:
-    """Every axis a mesh of ``dims`` has: :data:`PLAN_AXES`, plus ``cp_ulysses`` and ``cp_ring`` when cp is split."""
-    sub = ("cp_ulysses", "cp_ring") if dims.cp_ulysses > 1 else ()
-    return (*AXES, *sub, *DERIVED_AXES)
+    """Every axis a mesh of ``dims`` shows (:attr:`~wf_mesh.topology.ParallelDims.shown_axes`): :data:`PLAN_AXES`,
+    plus cfg and ``dp_cfg_cp`` when cfg is 2, and ``cp_ulysses`` and ``cp_ring`` when cp is split."""
+    return dims.shown_axes
 
 
 # ---- the one table formatter ------------------------------------------------------------------------
@@ -104,7 +110,8 @@ def format_table(
     return "\n".join(lines)
 
 
-def _plural(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``: ``n`` and ``noun``, with an ``s`` unless ``n`` is 1."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
@@ -154,11 +161,13 @@ class _Atom(NamedTuple):
 
 
 def _atoms(dims: ParallelDims) -> list[_Atom]:
-    """The indivisible axes of ``dims``, fastest first, with their global-rank strides."""
+    """The indivisible axes of ``dims`` in use, fastest first, with their global-rank strides (a split axis as
+    its sub-axes, when it is split)."""
     out, stride = [], 1
     for axis in dims.axis_order:
-        if axis == "cp" and dims.cp_ulysses > 1:
-            parts = [("cp_ulysses", dims.cp_ulysses), ("cp_ring", dims.cp_ring)]
+        split = next(a.split for a in AXIS_TABLE if a.name == axis)
+        if split and getattr(dims, split.fast) > 1:
+            parts = [(split.fast, getattr(dims, split.fast)), (split.slow, dims.degree(split.slow))]
         else:
             parts = [(axis, getattr(dims, axis))]
         for name, size in parts:
@@ -177,6 +186,11 @@ def _member_names(dims: ParallelDims, axis: str) -> set[str]:
         else:
             names.add(name)
     return names
+
+
+def _in_use(dims: ParallelDims, axis: str) -> set[str]:
+    """The base (and sub-) axes in use that token ``axis`` names."""
+    return {n for n in parse_axes(axis) if dims.in_use(SUB_AXES.get(n, n))}
 
 
 def _group_layout(dims: ParallelDims, axis: str, index: int) -> tuple[int, list[tuple[int, int]]]:
@@ -385,7 +399,7 @@ class TopologyView:
 
     def _caption(self, axis: str) -> str:
         size = self.dims.degree(axis)
-        return f"{axis} ({_plural(self.dims.num_groups(axis), 'group')} of {size})"
+        return f"{axis} ({plural(self.dims.num_groups(axis), 'group')} of {size})"
 
     def _title(self, rank: int) -> str:
         d = self.dims
@@ -396,15 +410,21 @@ class TopologyView:
 
     def _notes(self) -> list[str]:
         d = self.dims
-        cp = f"cp {d.cp}" + (f" (cp_ring {d.cp_ring} x cp_ulysses {d.cp_ulysses})" if d.cp_ulysses > 1 else "")
+        degrees = []
+        for axis in AXIS_TABLE:
+            if d.in_use(axis.name):
+                split, text = axis.split, f"{axis.name} {getattr(d, axis.name)}"
+                if split and d.enabled(split.fast):
+                    text += f" ({split.slow} {d.degree(split.slow)} x {split.fast} {d.degree(split.fast)})"
+                degrees.append(text)
         formula = " + ".join(a.name if a.stride == 1 else f"{a.stride}*{a.name}" for a in self.atoms) or "0"
         lines = [
-            f"world {d.world_size} = tp {d.tp} x {cp} x pp {d.pp} x dp {d.dp}, order {d.order} (fastest first)",
+            f"world {d.world_size} = {' x '.join(degrees)}, order {d.shown_order} (fastest first)",
             f"rank = {formula}",
             f"root DeviceMesh dims {d.mesh_dim_names}, shape {d.mesh_shape}",
             (
-                f"grid: {_plural(self.nrows, 'row')} ({' x '.join(a.name for a in self.row_atoms) or '-'}) x "
-                f"{_plural(self.ncols, 'column')} ({' x '.join(a.name for a in self.col_atoms) or '-'}), "
+                f"grid: {plural(self.nrows, 'row')} ({' x '.join(a.name for a in self.row_atoms) or '-'}) x "
+                f"{plural(self.ncols, 'column')} ({' x '.join(a.name for a in self.col_atoms) or '-'}), "
                 f"rank = row * {self.ncols} + column"
             ),
         ]
@@ -428,10 +448,14 @@ class TopologyView:
     def _group_rows(self) -> list[list[str]]:
         """Per listed axis: name, groups, size, the first groups (as many as fit), a note."""
         rows, seen = [], {}
+        fsdp = _in_use(self.dims, FSDP_AXIS)  # FSDP's note goes on the listed axis of its members in use
+        fsdp_axis = next((a for a in self.listed if a in DERIVED_AXES and _in_use(self.dims, a) == fsdp), None)
         for axis in self.listed:
             n, size = self.dims.num_groups(axis), self.dims.degree(axis)
             key = frozenset(a.name for a in self.atoms if a.name in _member_names(self.dims, axis))
             notes = [_AXIS_NOTES[axis]] if axis in _AXIS_NOTES else []
+            if axis == fsdp_axis:
+                notes.insert(0, "FSDP")
             if key in seen and len(self.listed) > 1:
                 notes.append(f"= {seen[key]}")
             seen.setdefault(key, axis)
@@ -724,7 +748,7 @@ class PlacementView:
         lines = [
             f"shape {self.shape} on mesh {mesh}, placements ({', '.join(map(str, self.placements))})",
             (
-                f"{_plural(self.num_ranks, 'rank')}, {_plural(n_slices, 'distinct slice')} "
+                f"{plural(self.num_ranks, 'rank')}, {plural(n_slices, 'distinct slice')} "
                 "(same slice = same index ranges)"
             ),
         ]
@@ -740,7 +764,7 @@ class PlacementView:
             return []
         return [
             (
-                f"... {_plural(self.num_ranks - shown, 'more rank')} not shown ({shown} of {self.num_ranks}; "
+                f"... {plural(self.num_ranks - shown, 'more rank')} not shown ({shown} of {self.num_ranks}; "
                 f"max_rows={self.max_rows})"
             )
         ]

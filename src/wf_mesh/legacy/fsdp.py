@@ -14,19 +14,20 @@ without a current mesh.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from wf_mesh import _compat, agreement
-from wf_mesh.mesh import parallel_mesh_or_none, register_extension
-from wf_mesh.topology import as_int
+from wf_mesh import mesh as native_mesh
+from wf_mesh.mesh import DEVICE_TYPES, parallel_mesh_or_none, register_extension
+from wf_mesh.topology import ParallelDims, as_int
 
 __all__ = ["hsdp_device_mesh", "hsdp_rank_grid", "hsdp_sizes"]
 
 DEFAULT_MAX_SHARD = 8
-_DEVICE_TYPES = ("cpu", "cuda")
 
 _meshes: dict[tuple[int, int, str], DeviceMesh] = {}
 
@@ -70,16 +71,28 @@ def hsdp_sizes(
 
 def hsdp_rank_grid(replicas: int, shard: int) -> torch.Tensor:
     """Global ranks of the HSDP mesh, shape ``(replicas, shard)``: row i is a shard group, column j a
-    replicate group (the original's ``init_device_mesh`` layout); pure."""
-    return torch.arange(replicas * shard).reshape(replicas, shard)
+    replicate group (the original's ``init_device_mesh`` layout); pure.
+
+    It is :func:`wf_mesh.mesh.hsdp_rank_grid` of a pure data-parallel world: shard groups are consecutive ranks.
+
+    Args:
+        replicas: the number of replicas.
+        shard: ranks per shard group.
+
+    Returns:
+        An int64 tensor of global ranks.
+    """
+    world = ParallelDims(dp=replicas * shard).resolve(replicas * shard)
+    (grid,) = native_mesh.hsdp_rank_grid(world, replicas)
+    return grid
 
 
 def _device_type(device: str | torch.device | None) -> str:
     if device is None:
         return "cuda" if dist.get_backend() == "nccl" else "cpu"
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    if kind not in _DEVICE_TYPES:
-        raise ValueError(f"device={device!r}: use one of {list(_DEVICE_TYPES)} (or None: the default group's)")
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"device={device!r}: use one of {list(DEVICE_TYPES)} (or None: the default group's)")
     return kind
 
 
@@ -87,7 +100,7 @@ def _device_type(device: str | torch.device | None) -> str:
 class _HsdpFacts(agreement.Facts):
     replicas: int
     shard: int = agreement.fact(label="shard size")
-    device: str = agreement.fact(choices=_DEVICE_TYPES)
+    device: str = agreement.fact(choices=DEVICE_TYPES)
 
 
 def hsdp_device_mesh(
@@ -118,9 +131,12 @@ def hsdp_device_mesh(
         replicas, shard = hsdp_sizes(world, replica_group_size, sharding_group_size)
         return _HsdpFacts(replicas=replicas, shard=shard, device=_device_type(device))
 
-    agreed = agreement.agree(dist.group.WORLD, facts, what="hsdp_device_mesh", required=True)
+    world_group: Any = dist.group.WORLD
+    agreed = agreement.agree(world_group, facts, what="hsdp_device_mesh", required=True)
     agreed.require_same("replicas", "shard", "device", hint="; every rank must pass the same arguments")
-    replicas, shard, kind = agreed.mine.replicas, agreed.mine.shard, agreed.mine.device
+    mine = agreed.mine
+    assert mine is not None  # required: the exchange ran and this rank's facts are known
+    replicas, shard, kind = mine.replicas, mine.shard, mine.device
     grid = hsdp_rank_grid(replicas, shard)
     current = parallel_mesh_or_none()
     if current is not None and current.hsdp_enabled:
@@ -133,7 +149,7 @@ def hsdp_device_mesh(
         return cached
     options = _compat.backend_options(dist.get_backend(), _compat.default_group_timeout())
     # a dim spanning the world gets no options: torch then reuses the default group for it
-    override = {name: options for name, size in (("replicate", replicas), ("shard", shard)) if size != world}
+    override: Any = {name: options for name, size in (("replicate", replicas), ("shard", shard)) if size != world}
     mesh = init_device_mesh(
         kind,
         (replicas, shard),

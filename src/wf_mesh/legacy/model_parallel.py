@@ -13,12 +13,13 @@ import datetime
 import numbers
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
-from wf_mesh import _compat, agreement
+from wf_mesh import _compat, agreement, topology
 from wf_mesh.errors import DegreeError
 from wf_mesh.legacy.errors import LegacyStateError, asserting
 from wf_mesh.mesh import (
@@ -44,8 +45,8 @@ __all__ = [
     "state",
 ]
 
-DEFAULT_ORDER = "tp-cp-pp-dp"
-"""wf_mesh's and MAGI-1's default rank order (tp fastest, dp slowest)."""
+DEFAULT_ORDER = topology.DEFAULT_ORDER
+"""wf_mesh's and MAGI-1's default rank order (tp fastest, dp slowest; cfg, always 1 here, before dp)."""
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 """Megatron-LM's default rank order (pipeline slowest); pass it as ``order=`` to get Megatron's layout."""
@@ -176,7 +177,8 @@ def initialize_model_parallel(
             ignored, with a warning, when the backend is not NCCL.
         distributed_timeout_minutes: timeout of the subgroups' collectives.
         order: rank order, fastest axis first; default :data:`DEFAULT_ORDER` (Megatron's is
-            :data:`MEGATRON_ORDER`); an ``ep`` in it is dropped.
+            :data:`MEGATRON_ORDER`); its ``ep`` is one of :data:`~wf_mesh.topology.UNSHARDED_AXES`, which
+            ParallelDims accepts and drops.
         virtual_pipeline_model_parallel_size: virtual stages per pipeline rank (interleaved schedule); needs
             pp > 1. Sets the virtual world size to it and the virtual rank to 0.
         get_embedding_ranks / get_position_embedding_ranks: ``f(pipeline_ranks) -> ranks`` choosing which
@@ -222,28 +224,19 @@ def initialize_model_parallel(
     )
     _require_distributed(pipeline_model_parallel_comm_backend)
     nccl_config = _nccl_config(nccl_communicator_config_path)
-    plan = _agree_on_plan(
-        degrees, _without_ep(order), virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups
-    )
+    plan = _agree_on_plan(degrees, order, virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups)
     with asserting():  # "already initialized" is Megatron's AssertionError
         mesh = init_parallel(plan.dims, timeout=timeout, nccl_config=nccl_config)
     _record_plan(mesh, plan)
 
 
-def _check_callables_and_flags(choosers: dict[str, object], create_gloo_process_groups: object) -> None:
+def _check_callables_and_flags(choosers: Mapping[str, object], create_gloo_process_groups: object) -> None:
     """TypeError for an embedding-rank chooser that is not callable or a gloo flag that is not a bool."""
     for kind, fn in choosers.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"get_{kind}_ranks must be a callable f(pipeline_ranks) -> ranks or None, got {fn!r}")
     if not isinstance(create_gloo_process_groups, bool):
         raise TypeError(f"create_gloo_process_groups must be a bool, got {create_gloo_process_groups!r}")
-
-
-def _without_ep(order: str) -> str:
-    """Megatron's order with its ``ep`` dropped (anything but a str: ParallelDims names the type)."""
-    if not isinstance(order, str):
-        return order
-    return "-".join(axis for axis in order.split("-") if axis != "ep")
 
 
 def _require_distributed(pipeline_backend: str | None) -> None:
@@ -420,16 +413,18 @@ def _agree_on_plan(
             embedding_ranks=ranks,
         )
 
-    agreed = agreement.agree(dist.group.WORLD, facts, what="initialize_model_parallel", required=True)
+    world_group: Any = dist.group.WORLD
+    agreed = agreement.agree(world_group, facts, what="initialize_model_parallel", required=True)
     hint = "; every rank must pass the same arguments"
     agreed.require_same("vpp", hint=hint)
     for kind in defaults:
-        agreed.require_same(
-            key=lambda r, kind=kind: f"crc {getattr(r, f'{kind}_crc'):08x}",
-            label=_PlanFacts.label(f"{kind}_crc"),
-            hint=hint,
-        )
+
+        def crc(row: _PlanFacts, kind: str = kind) -> str:
+            return f"crc {getattr(row, f'{kind}_crc'):08x}"
+
+        agreed.require_same(key=crc, label=_PlanFacts.label(f"{kind}_crc"), hint=hint)
     agreed.require_same("gloo", hint=hint)
+    assert agreed.mine is not None  # required: the exchange ran and this rank's facts are known
     return agreed.mine
 
 

@@ -15,7 +15,7 @@ from wf_mesh.bootstrap import init_from_env, read_launch_env
 from wf_mesh.legacy.model_parallel import timeout_minutes
 from wf_mesh.legacy.pipeline import init_pp_scheduler, pp_scheduler_or_none
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
-from wf_mesh.topology import ParallelDims, as_int
+from wf_mesh.topology import DEFAULT_ORDER, ParallelDims, as_int
 
 __all__ = ["dist_init", "get_device", "is_last_rank", "is_last_tp_cp_rank"]
 
@@ -60,7 +60,7 @@ def dist_init(config: Any) -> ParallelMesh:
     The config (attributes or a dict) may provide, all optional: ``distributed_backend`` (``"nccl"``,
     ``"gloo"``, or None: nccl with CUDA, gloo without), ``distributed_timeout_minutes`` (default 30),
     ``tp_size``, ``cp_size``, ``pp_size`` (default 1), ``dp_size`` (absent, None or -1: inferred from the world
-    size), ``order`` (default ``"tp-cp-pp-dp"``), ``cp_ulysses_size`` (default 1: the Ulysses part of cp for USP
+    size), ``order`` (default :data:`wf_mesh.topology.DEFAULT_ORDER`, i.e. ``"tp-cp-pp-dp"`` with cfg 1), ``cp_ulysses_size`` (default 1: the Ulysses part of cp for USP
     attention) and ``dp_replicate`` (default none: also build the HSDP view with that many replicas).
 
     Everything is validated before any network traffic, each error naming the config key or the variable.
@@ -78,7 +78,7 @@ def dist_init(config: Any) -> ParallelMesh:
         cp=_degree(config, "cp_size"),
         pp=_degree(config, "pp_size"),
         dp=_dp(config),
-        order=_read(config, "order", "tp-cp-pp-dp"),
+        order=_read(config, "order", DEFAULT_ORDER),
         cp_ulysses=_degree(config, "cp_ulysses_size"),
     )
     world_size = dist.get_world_size() if dist.is_initialized() else read_launch_env(what="dist_init").world_size
