@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from wf_mesh.mesh import ParallelMesh, init_parallel
+from wf_mesh.mesh import DEVICE_TYPES, ParallelMesh, init_parallel
 from wf_mesh.topology import ParallelDims
 
 __all__ = ["DistributedSession", "LaunchEnv", "first_host", "init_from_env", "read_launch_env"]
@@ -52,7 +52,6 @@ LAUNCHERS = ("torchrun", "slurm", "none")
 """What :attr:`LaunchEnv.launcher` can say: torchrun's variables, SLURM's, or none (one process)."""
 
 BACKENDS = ("nccl", "gloo")
-DEVICE_TYPES = ("cpu", "cuda")
 
 SLURM_PORT_BASE = 15000
 """A SLURM job without ``MASTER_PORT`` rendezvouses on this plus the last four digits of its job id."""
