@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat
 from wf_mesh.agreement import Agreed, Facts, agree, fact
+from wf_mesh.attention_kernels import Kernel, choose_kernel
 from wf_mesh.attention_ops import (
     GatherKV,
     HeadsToSeq,
@@ -267,12 +268,13 @@ def cp_attention(
     """
     dtensor = isinstance(q, DTensor)
     group_mesh = q.device_mesh if dtensor and mesh is None else _cp_of(mesh)
-    agreed = agree(
-        group_mesh.get_group(),
-        lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
-        what="cp_attention",
-        required=True,
-    )
+    with _compat.outside_fake_mode():  # host-side facts: real tensors even under a FakeTensorMode
+        agreed = agree(
+            group_mesh.get_group(),
+            lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
+            what="cp_attention",
+            required=True,
+        )
     lengths = _agreed_lengths(agreed)
     call = agreed.mine
     out = _run(call, group_mesh, lengths)
@@ -353,7 +355,7 @@ class _MethodPlan:
     kv_repeat: int = 1
 
 
-def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool) -> _MethodPlan:
+def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kernel) -> _MethodPlan:
     """The :class:`_MethodPlan` of an agreed call on ``cp`` (pure arithmetic, no communication)."""
     n, me, total = len(lengths), cp.get_local_rank(), sum(lengths)
     segments = rank_segments(total, n, call.balance)
@@ -361,7 +363,7 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool)
     if call.method == "allgather":
         longest = max(lengths)
         kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
-        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, fused)
+        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, kernel)
         return _MethodPlan(core, gather=cp.get_group(), gather_longest=longest)
     ring, uly = {"ring": (cp, None), "ulysses": (None, cp), "usp": call.usp_axes}[call.method]
     u = uly.size() if uly is not None else 1
@@ -372,7 +374,7 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool)
         for i in range(ring_size)
     ]
     group = ring.get_group() if ring is not None and ring_size > 1 else None
-    core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, fused)
+    core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, kernel)
     if u == 1:
         return _MethodPlan(core)
     return _MethodPlan(
@@ -389,7 +391,8 @@ def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int]) -> torch.Tens
     seq_major = call.layout == "bshd"
     if seq_major:  # the engine works on (B, H, S, D) views
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    plan = _plan(call, cp, lengths, fused=q.device.type == "cpu")
+    kernel = choose_kernel(q.device, q.dtype, call.head_dim, padded=pad is not None).kernel
+    plan = _plan(call, cp, lengths, kernel)
     if plan.gather is not None:
         k, v = GatherKV.apply(k, v, plan.gather, plan.gather_longest)
         if pad is not None:
