@@ -267,8 +267,8 @@ def cp_attention(
     Every error is raised on every cp rank, before any data moves.
     """
     dtensor = isinstance(q, DTensor)
-    group_mesh = q.device_mesh if dtensor and mesh is None else _cp_of(mesh)
-    with _compat.outside_fake_mode():  # host-side facts: real tensors even under a FakeTensorMode
+    with _compat.outside_fake_mode():  # meshes and the agreed facts are host-side: real even under FakeTensorMode
+        group_mesh = q.device_mesh if dtensor and mesh is None else _cp_of(mesh)
         agreed = agree(
             group_mesh.get_group(),
             lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),

@@ -183,7 +183,7 @@ def _rows_without_keys(pad: torch.Tensor, causal: bool) -> torch.Tensor:
     """Bool ``(B, 1, Sq|1)``: query rows that see no key of the block (causal: rows i of an aligned square
     whose keys ``0..i`` are all padding)."""
     if causal:
-        return ((~pad).cumsum(-1) == 0).unsqueeze(1)
+        return (pad.logical_not().cumsum(-1) == 0).unsqueeze(1)
     return pad.all(-1).view(-1, 1, 1)
 
 
