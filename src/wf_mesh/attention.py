@@ -41,9 +41,10 @@ work is balanced either way.)
 
 Precision: softmax statistics (row max / log-sum-exp), the merge of partial results and the ring's
 travelling dK/dV are fp32 whatever the input dtype; the output is cast to the input dtype once.
-Local attention on CPU tensors runs the fused flash kernel behind ``F.scaled_dot_product_attention``
-(see ``wf_mesh._compat.flash_attention_cpu``); on other devices an fp32 math kernel that materializes one
-block's scores (a fused CUDA kernel with log-sum-exp output is not wired in yet).
+Local attention runs a fused SDPA kernel with log-sum-exp output, picked per call by
+:func:`wf_mesh.attention_kernels.choose_kernel`: on CUDA flash (no key padding), memory-efficient (key padding
+as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel. The fp32 math kernel, which materializes
+each block's scores, is the last resort and warns once naming why (dtype, head dim, mask kind, disabled).
 
 Key padding: ``key_padding_mask`` is bool ``(B, S_local)`` for this rank's keys, True = padding (the
 ``nn.MultiheadAttention`` convention); it travels with its K/V block. A query row whose keys are all

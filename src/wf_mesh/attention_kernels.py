@@ -24,8 +24,8 @@ The only masks a pair carries are the key padding mask and the causal mask of tw
 (the kernels' own causal mode): :meth:`wf_mesh.attention_ops.RingPlan.pairs` cuts every other causal pair
 into fully visible and diagonal pieces, so no path builds a position mask. Kernels torch's SDPA switches off
 (``torch.backends.cuda.enable_flash_sdp(False)``, ``sdpa_kernel(...)``) are not picked; on CPU the flash
-switch decides between cpu_flash and math. When math is picked on purpose-built hardware it warns once per
-reason (:func:`choose_kernel`), naming what ruled out each fused kernel.
+switch decides between cpu_flash and math. When math is picked it warns once per reason
+(:func:`choose_kernel`), naming what ruled out each fused kernel.
 
 A row that sees no key (every key of the block padded) gets out 0 and lse -inf whatever the kernel reports
 there (the kernels differ: 0, +inf or NaN); the backward treats an lse of -inf as "no key anywhere" (zero
