@@ -267,9 +267,8 @@ def cp_attention(
 
     Every error is raised on every cp rank, before any data moves.
     """
-    dtensor = isinstance(q, DTensor)
     with _compat.outside_fake_mode():  # meshes and the agreed facts are host-side: real even under FakeTensorMode
-        group_mesh = q.device_mesh if dtensor and mesh is None else _cp_of(mesh)
+        group_mesh = q.device_mesh if isinstance(q, DTensor) and mesh is None else _cp_of(mesh)
         agreed = agree(
             group_mesh.get_group(),
             lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
@@ -279,12 +278,12 @@ def cp_attention(
     lengths = _agreed_lengths(agreed)
     call = agreed.mine
     out = _run(call, group_mesh, lengths)
-    if not dtensor:
+    if not isinstance(q, DTensor):
         return out
     seq_dim = 1 if layout == "bshd" else 2
     global_shape = list(out.shape)
     global_shape[seq_dim] = sum(lengths)
-    return sequence_dtensor(out, seq_dim, global_shape, mesh=q.device_mesh)
+    return sequence_dtensor(out, seq_dim, tuple(global_shape), mesh=q.device_mesh)
 
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,8 @@ class _Hop:
 
     def __init__(self, plan: RingPlan, send: Sequence[torch.Tensor | None], j: int) -> None:
         group = plan.group
+        if group is None:
+            raise ValueError("a ring hop needs the ring's process group (RingPlan.group is None: a ring of one)")
         n, i = group.size(), group.rank()
         self.recv = tuple(None if t is None else _empty_block(t, plan.kv_lengths[j]) for t in send)
         ops = [
@@ -182,7 +185,8 @@ class _Hop:
         self.requests = dist.batch_isend_irecv(ops) if ops else []
         self.ops = ops
 
-    def wait(self) -> tuple[torch.Tensor | None, ...]:
+    def wait(self) -> tuple[Any, ...]:
+        """The received tensors, in the order sent (None where None was sent)."""
         for request in self.requests:
             request.wait()
         recv = self.recv
