@@ -42,8 +42,9 @@ TAIL = 20
 
 
 def available(folder: Path = HERE) -> list[str]:
-    """The benchmark scripts in ``folder``: every ``*.py`` except ``run.py`` and names starting with ``_``."""
-    names = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem != "run"]
+    """The benchmark scripts in ``folder``: every ``*.py`` except ``run.py``, ``gpu_check.py`` (a GPU check
+    with a table of its own, not ratio rows) and names starting with ``_``."""
+    names = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem not in ("run", "gpu_check")]
     return sorted(names, key=lambda n: (KNOWN.index(n) if n in KNOWN else len(KNOWN), n))
 
 

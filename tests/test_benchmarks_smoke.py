@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 MINE = ("topology", "context_parallel", "state", "pipeline")  # cp_attention.py has a test of its own
@@ -103,7 +104,7 @@ def test_format_rows():
 
 # ---- the runner -------------------------------------------------------------------------------------
 def test_runner_finds_scripts_and_refuses_unknown_names(tmp_path, capsys):
-    for name in ["_report", "run", "zeta", "pipeline", "cp_attention", "topology", "alpha"]:
+    for name in ["_report", "run", "gpu_check", "zeta", "pipeline", "cp_attention", "topology", "alpha"]:
         (tmp_path / f"{name}.py").write_text("")
     names = runner.available(tmp_path)
     assert names == ["topology", "pipeline", "cp_attention", "alpha", "zeta"]
@@ -131,6 +132,20 @@ def test_runner_reports_failing_scripts_and_rows_outside_the_schema(tmp_path, ca
         "benchmarks/run.py: pipeline failed: exited with code 3; the end of its output:\n  | boom\n"
         "benchmarks/run.py: cp_attention failed: ValueError: cp_attention: its --json output has no 'rows' list "
         "(the schema of benchmarks/_report.py)\n"
+    )
+
+
+# ---- the GPU check (benchmarks/gpu_check.py): here it can only refuse ------------------------------------
+def test_gpu_check_refuses_cleanly_without_cuda(capsys):
+    gpu_check = load("gpu_check")
+    with pytest.raises(SystemExit) as helped:
+        gpu_check.main(["--help"])
+    assert helped.value.code == 0 and capsys.readouterr().out.startswith("usage: benchmarks/gpu_check.py")
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"benchmarks/gpu_check.py: needs a CUDA device; torch {torch.__version__} sees none "
+        f"(torch.cuda.is_available() is False, built with CUDA {torch.version.cuda})\n",
     )
 
 

@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 import wf_mesh
-from wf_mesh import attention_ops
 from wf_mesh.attention import (
     CPSelfAttention,
     cp_attention,
@@ -500,33 +499,3 @@ def test_video_split_tokens_through_dit_attention(method, usp, video_results):
         assert grid == (2, 2)  # the split cuts both time and height: blocks are not contiguous in the latent
         assert torch.allclose(video, want_video, atol=1e-5, rtol=1e-5)
         assert torch.allclose(grads, want_grads, atol=1e-4, rtol=1e-5)
-
-
-# ---- the local kernels -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_math_kernel_matches_fused_cpu_kernel(kv_heads):
-    """The fp32 math kernel (used off CPU) and the fused CPU kernel give the same (out, lse) and gradients,
-    including rows that see no key (lse -inf, out 0, zero gradients)."""
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 6, 8, generator=g)
-    k, v = (torch.randn(2, kv_heads, 9, 8, generator=g) for _ in range(2))
-    pad = torch.rand(2, 9, generator=g) < 0.3
-    pad[1] = True
-    qpos, kpos = torch.arange(10, 16), torch.arange(7, 16)
-    for p, causal, aligned in (
-        (None, None, False),
-        (pad, None, False),
-        (pad, qpos[:, None] >= kpos, False),
-        (None, qpos[:, None] >= kpos, False),
-    ):
-        fused = attention_ops.attend_block(q, k, v, p, causal, aligned, 0.3, True)
-        math_ = attention_ops.attend_block(q, k, v, p, causal, aligned, 0.3, False)
-        assert torch.equal(torch.isinf(fused[1]), torch.isinf(math_[1]))
-        assert torch.allclose(fused[0], math_[0], atol=1e-5) and torch.allclose(fused[1], math_[1], atol=1e-5)
-        if p is not None:  # batch 1: every key is padding
-            assert torch.isinf(fused[1][1]).all() and not fused[0][1].any()
-        out, lse, dout = fused[0], fused[1], torch.randn(q.shape, generator=g)
-        a = attention_ops.attend_block_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, True)
-        b = attention_ops.attend_block_backward(dout, q, k, v, out, lse, p, causal, aligned, 0.3, False)
-        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
-        assert all(x.shape == y.shape for x, y in zip(a, (q, k, v)))

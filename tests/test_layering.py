@@ -22,6 +22,7 @@ LAYERS = {
         "pipeline",
         "attention",
         "attention_ops",
+        "attention_kernels",
         "log",
         "bootstrap",
         "guidance",

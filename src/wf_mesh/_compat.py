@@ -32,6 +32,14 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
 - ``flash_attention_cpu`` / ``flash_attention_cpu_backward`` (CP attention): ``F.scaled_dot_product_attention``
   does not return the row log-sum-exp needed to merge partial results over key blocks; the aten ops behind
   its CPU flash path do, and take it back for a blockwise backward.
+- ``flash_attention_cuda`` / ``efficient_attention_cuda`` / ``cudnn_attention_cuda`` and their ``*_backward``
+  (CP attention on CUDA, chosen by ``wf_mesh.attention_kernels``): the same for the three fused CUDA kernels of
+  SDPA (``aten._scaled_dot_product_{flash,efficient,cudnn}_attention``), each with its own log-sum-exp shape
+  and padding quirks, handled here so that every caller sees ``(out, lse (B, H, Sq) fp32)``.
+- ``fake_tensor_mode`` / ``fake_store`` / ``outside_fake_mode`` (``wf_mesh.testing``'s fake-CUDA harness and
+  the agreement exchange of CP attention): ``FakeTensorMode`` and ``FakeStore`` live in private modules, and
+  host-side metadata (the agreement's rows, read with ``.tolist()``) must be real tensors even while a fake
+  mode is active.
 - ``dispatch_mode``: CommDebugMode counts collectives only; counting point-to-point ops too needs a dispatch
   mode, whose base class lives in ``torch.utils._python_dispatch`` (``wf_mesh.testing.c10d_ops`` builds on it).
 """
@@ -51,9 +59,17 @@ __all__ = [
     "clear_dtensor_caches",
     "default_group_timeout",
     "dispatch_mode",
+    "cudnn_attention_cuda",
+    "cudnn_attention_cuda_backward",
     "dtensor_local",
+    "efficient_attention_cuda",
+    "efficient_attention_cuda_backward",
+    "fake_store",
+    "fake_tensor_mode",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
+    "flash_attention_cuda",
+    "flash_attention_cuda_backward",
     "flatten",
     "foreach_add_",
     "foreach_copy_",
@@ -62,6 +78,7 @@ __all__ = [
     "mesh_group_names",
     "mesh_is_live",
     "new_group_calls",
+    "outside_fake_mode",
     "parameter_registry",
     "process_groups",
     "register_fake_backend",
@@ -272,6 +289,151 @@ def flash_attention_cpu_backward(
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
     )
+
+
+# ---- fused CUDA attention with log-sum-exp (attention_kernels.py) ----------------------------------------
+# The three fused kernels behind SDPA on CUDA, as torch's own ring attention calls them
+# (torch/distributed/tensor/experimental/_context_parallel/_attention.py). Inputs are (B, H, S, D) with a head
+# dim the kernel takes (the caller pads it to a multiple of 8); dropout is never used, so the random-number
+# state the backward ops take is a placeholder. Every forward returns ``(out, lse)``, lse fp32 (B, H, Sq).
+_EFFICIENT_LSE_ALIGN = 32  # the memory-efficient kernel's lse rows are padded to a multiple of 32 queries
+
+
+def _no_rng_state(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=like.device)
+
+
+def flash_attention_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the flash kernel (float16/bfloat16; k/v may have fewer heads: grouped-query attention
+    without repeating them). No mask but the causal one (top-left aligned)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse
+
+
+def flash_attention_cuda_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flash_attention_cuda` for the given ``out`` and ``lse`` (B, H, Sq), which
+    must be contiguous (a strided lse gives wrong gradients)."""
+    rng = _no_rng_state(q)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal, rng, rng, scale=scale
+    )
+    return dq, dk, dv
+
+
+def efficient_attention_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the memory-efficient kernel (float32/float16/bfloat16, equal heads).
+
+    ``bias``: additive ``(B, H, Sq, Sk)`` in q's dtype, last dim contiguous, other strides multiples of 16
+    elements (an expanded ``(B, 1, 1, Sk_aligned)`` buffer qualifies: stride 0 is a multiple). The kernel's lse
+    has its query dim padded to a multiple of 32; it is cut back to ``Sq`` here.
+    """
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, is_causal, scale=scale
+    )
+    return out, lse.narrow(-1, 0, q.shape[2])
+
+
+def efficient_attention_cuda_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`efficient_attention_cuda` given ``out`` and ``lse`` (B, H, Sq); lse is padded
+    back to the kernel's 32-query alignment (its blocks read whole tiles of it)."""
+    sq = q.shape[2]
+    padded = torch.nn.functional.pad(lse, (0, -sq % _EFFICIENT_LSE_ALIGN)).contiguous()
+    rng = _no_rng_state(q)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, padded, rng, rng, 0.0, [True, True, True, False], is_causal, scale=scale
+    )
+    return dq, dk, dv
+
+
+def cudnn_attention_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the cuDNN kernel (float16/bfloat16, equal heads, ``bias`` as for the efficient one);
+    its lse keeps a trailing dim of 1 ``(B, H, Sq, 1)``, squeezed here."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, bias, True, 0.0, is_causal, False, scale=scale
+    )
+    return out, lse.squeeze(-1)
+
+
+def cudnn_attention_cuda_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`cudnn_attention_cuda` given ``out`` and ``lse`` (B, H, Sq)."""
+    rng = _no_rng_state(q)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse.contiguous().unsqueeze(-1),
+        rng,
+        rng,
+        bias,
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        is_causal,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+# ---- fake tensors (wf_mesh.testing's fake-CUDA harness, the agreement under a fake mode) ------------------
+def fake_tensor_mode() -> Any:
+    """A new ``FakeTensorMode``: tensors with shapes, dtypes and devices (CUDA too, on a CPU-only build) and no
+    data; torch's kernels' meta functions compute the outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def fake_store() -> dist.Store:
+    """The store of torch's ``fake`` process-group backend (registered too)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def outside_fake_mode() -> Any:
+    """Context manager: no fake tensor mode inside (new tensors are real), whatever the caller runs under."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 # ---- dispatch modes (wf_mesh.testing.c10d_ops) -----------------------------------------------------------

@@ -41,9 +41,10 @@ work is balanced either way.)
 
 Precision: softmax statistics (row max / log-sum-exp), the merge of partial results and the ring's
 travelling dK/dV are fp32 whatever the input dtype; the output is cast to the input dtype once.
-Local attention on CPU tensors runs the fused flash kernel behind ``F.scaled_dot_product_attention``
-(see ``wf_mesh._compat.flash_attention_cpu``); on other devices an fp32 math kernel that materializes one
-block's scores (a fused CUDA kernel with log-sum-exp output is not wired in yet).
+Local attention runs a fused SDPA kernel with log-sum-exp output, picked per call by
+:func:`wf_mesh.attention_kernels.choose_kernel`: on CUDA flash (no key padding), memory-efficient (key padding
+as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel. The fp32 math kernel, which materializes
+each block's scores, is the last resort and warns once naming why (dtype, head dim, mask kind, disabled).
 
 Key padding: ``key_padding_mask`` is bool ``(B, S_local)`` for this rank's keys, True = padding (the
 ``nn.MultiheadAttention`` convention); it travels with its K/V block. A query row whose keys are all
@@ -69,6 +70,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat
 from wf_mesh.agreement import Agreed, Facts, agree, fact
+from wf_mesh.attention_kernels import Kernel, choose_kernel
 from wf_mesh.attention_ops import (
     GatherKV,
     HeadsToSeq,
@@ -265,23 +267,23 @@ def cp_attention(
 
     Every error is raised on every cp rank, before any data moves.
     """
-    dtensor = isinstance(q, DTensor)
-    group_mesh = q.device_mesh if dtensor and mesh is None else _cp_of(mesh)
-    agreed = agree(
-        group_mesh.get_group(),
-        lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
-        what="cp_attention",
-        required=True,
-    )
+    with _compat.outside_fake_mode():  # meshes and the agreed facts are host-side: real even under FakeTensorMode
+        group_mesh = q.device_mesh if isinstance(q, DTensor) and mesh is None else _cp_of(mesh)
+        agreed = agree(
+            group_mesh.get_group(),
+            lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
+            what="cp_attention",
+            required=True,
+        )
     lengths = _agreed_lengths(agreed)
     call = agreed.mine
     out = _run(call, group_mesh, lengths)
-    if not dtensor:
+    if not isinstance(q, DTensor):
         return out
     seq_dim = 1 if layout == "bshd" else 2
     global_shape = list(out.shape)
     global_shape[seq_dim] = sum(lengths)
-    return sequence_dtensor(out, seq_dim, global_shape, mesh=q.device_mesh)
+    return sequence_dtensor(out, seq_dim, tuple(global_shape), mesh=q.device_mesh)
 
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -353,7 +355,7 @@ class _MethodPlan:
     kv_repeat: int = 1
 
 
-def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool) -> _MethodPlan:
+def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kernel) -> _MethodPlan:
     """The :class:`_MethodPlan` of an agreed call on ``cp`` (pure arithmetic, no communication)."""
     n, me, total = len(lengths), cp.get_local_rank(), sum(lengths)
     segments = rank_segments(total, n, call.balance)
@@ -361,7 +363,7 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool)
     if call.method == "allgather":
         longest = max(lengths)
         kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
-        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, fused)
+        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, kernel)
         return _MethodPlan(core, gather=cp.get_group(), gather_longest=longest)
     ring, uly = {"ring": (cp, None), "ulysses": (None, cp), "usp": call.usp_axes}[call.method]
     u = uly.size() if uly is not None else 1
@@ -372,7 +374,7 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], fused: bool)
         for i in range(ring_size)
     ]
     group = ring.get_group() if ring is not None and ring_size > 1 else None
-    core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, fused)
+    core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, kernel)
     if u == 1:
         return _MethodPlan(core)
     return _MethodPlan(
@@ -389,7 +391,8 @@ def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int]) -> torch.Tens
     seq_major = call.layout == "bshd"
     if seq_major:  # the engine works on (B, H, S, D) views
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    plan = _plan(call, cp, lengths, fused=q.device.type == "cpu")
+    kernel = choose_kernel(q.device, q.dtype, call.head_dim, padded=pad is not None).kernel
+    plan = _plan(call, cp, lengths, kernel)
     if plan.gather is not None:
         k, v = GatherKV.apply(k, v, plan.gather, plan.gather_longest)
         if pad is not None:

@@ -1,9 +1,10 @@
 """The operations context-parallel attention is built from (:mod:`wf_mesh.attention` is the API).
 
 - which global positions each rank's shard holds (:func:`rank_segments`, contiguous or zigzag);
-- exact attention of one (query rows, key block) pair with its fp32 log-sum-exp, and its backward given the
-  merged output and log-sum-exp of the whole key range (:func:`attend_block`, :func:`attend_block_backward`),
-  merged by :func:`merge_partial` (online softmax);
+- which (query rows, key block) pairs each ring step computes (:meth:`RingPlan.pairs`: only unmasked pairs
+  and aligned causal squares), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its fp32
+  log-sum-exp out, and a backward given the merged output and log-sum-exp of the whole key range), partial
+  results merged by :func:`merge_partial` (online softmax);
 - the ring over K/V blocks as an autograd Function (:class:`RingAttention`): the next block travels while
   this one is computed, dK/dV travel back to their owners; a ring of one is plain blockwise attention;
 - the moves between sequence and head shards (:class:`SeqToHeads`, :class:`HeadsToSeq`: one all-to-all
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from wf_mesh import _compat
+from wf_mesh.attention_kernels import Kernel, attend, attend_backward
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = [
@@ -91,68 +93,7 @@ def concat_segments(blocks: Sequence[list[Segment]], offsets: Sequence[int], pos
     return out
 
 
-# ---- local attention on one (query rows, key block) pair -------------------------------------------------
-def _allowed(pad: torch.Tensor | None, causal: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean ``(B|1, 1, Sq|1, Sk)`` of the keys each query may see (None: all of them)."""
-    allowed = None if pad is None else ~pad[:, None, None, :]
-    if causal is not None:
-        allowed = causal if allowed is None else allowed & causal
-    return allowed
-
-
-def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def attend_block(q, k, v, pad, causal, aligned, scale, fused):
-    """``(out, lse)`` of q against one key block; lse is fp32 and -inf for rows that see no key.
-
-    ``causal``: bool ``(Sq, Sk)`` of allowed pairs or None; ``aligned``: it is the plain lower triangle.
-    """
-    if fused and pad is None and (causal is None or aligned):  # the kernel's causal mode skips masked tiles
-        return _compat.flash_attention_cpu(q, k, v, None, causal is not None, scale)
-    allowed = _allowed(pad, causal)
-    if fused:
-        out, lse = _compat.flash_attention_cpu(q, k, v, _bias(allowed, q.dtype), False, scale)
-        return out, lse.masked_fill(~allowed.any(-1), -math.inf)  # the kernel reports 0 for such rows
-    s = torch.matmul(q.float(), _expand_heads(k, q.shape[1]).float().transpose(-1, -2)) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0)[..., None])
-    return torch.matmul(p, _expand_heads(v, q.shape[1]).float()), lse
-
-
-def attend_block_backward(dout, q, k, v, out, lse, pad, causal, aligned, scale, fused):
-    """``(dq, dk, dv)`` of one pair given the merged ``out`` and ``lse`` of the whole key range: with them
-    the block's probabilities are its exact share of the full softmax."""
-    lse = lse.masked_fill(lse == -math.inf, 0)  # rows that see no key anywhere: every score is -inf, p = 0
-    if fused and pad is None and (causal is None or aligned):
-        return _compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, None, causal is not None, scale)
-    allowed = _allowed(pad, causal)
-    if fused:
-        return _compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, _bias(allowed, q.dtype), False, scale)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    qf, kf, vf, do = q.float(), _expand_heads(k, heads).float(), _expand_heads(v, heads).float(), dout.float()
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    p = torch.exp(s - lse[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - (do * out.float()).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, kf) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-    if kv_heads != heads:
-        b, _, n, d = dk.shape
-        dk = dk.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
-        dv = dv.view(b, kv_heads, heads // kv_heads, n, dv.shape[-1]).sum(2)
-    return dq, dk, dv
-
-
+# ---- merging the blocks ----------------------------------------------------------------------------------
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
     """Fold a partial result ``(part, part_lse)`` into the running fp32 ``(out, lse)`` in place (online softmax)."""
     new = torch.logaddexp(lse, part_lse)
@@ -173,30 +114,37 @@ class RingPlan:
     kv_lengths: list[int]
     causal: bool
     scale: float
-    fused: bool
+    kernel: Kernel
 
     @property
     def size(self) -> int:
         return len(self.kv_lengths)
 
-    def pairs(self, j: int, device: torch.device):
-        """``(query rows, key rows, causal mask or None, aligned)`` for the query segments against block j,
-        leaving out pairs where every key follows every query."""
+    def pairs(self, j: int) -> Iterator[tuple[slice, slice, bool]]:
+        """``(query rows, key rows, causal)`` for the query segments against block j: causal pairs are cut
+        into keys every query sees (unmasked) and the square where query and key positions coincide (the
+        kernels' causal mode); keys that follow every query are left out. So no pair needs a position mask."""
         if not self.causal:
             for ks in self.kv_segments[j]:
-                yield slice(None), slice(ks.offset, ks.offset + ks.length), None, False
+                yield slice(None), slice(ks.offset, ks.offset + ks.length), False
             return
         for qs in self.q_segments:
+            q_end = qs.start + qs.length
             for ks in self.kv_segments[j]:
-                if ks.start >= qs.start + qs.length:
+                k_end = ks.start + ks.length
+                if k_end <= qs.start + 1:  # every key is at or before the first query
+                    yield slice(qs.offset, qs.offset + qs.length), slice(ks.offset, ks.offset + ks.length), False
                     continue
-                rows, cols = slice(qs.offset, qs.offset + qs.length), slice(ks.offset, ks.offset + ks.length)
-                if ks.start + ks.length <= qs.start + 1:
-                    yield rows, cols, None, False
+                before = min(k_end, qs.start) - ks.start  # keys before the first query: seen by every query
+                if before > 0:
+                    yield slice(qs.offset, qs.offset + qs.length), slice(ks.offset, ks.offset + before), False
+                lo, hi = max(qs.start, ks.start), min(q_end, k_end)
+                if lo >= hi:
                     continue
-                qpos = torch.arange(qs.start, qs.start + qs.length, device=device)
-                kpos = torch.arange(ks.start, ks.start + ks.length, device=device)
-                yield rows, cols, qpos[:, None] >= kpos[None, :], qs.start == ks.start and qs.length == ks.length
+                keys = slice(ks.offset + lo - ks.start, ks.offset + hi - ks.start)
+                yield slice(qs.offset + lo - qs.start, qs.offset + hi - qs.start), keys, True
+                if hi < q_end:  # queries after the square see all of its keys
+                    yield slice(qs.offset + hi - qs.start, qs.offset + qs.length), keys, False
 
 
 def _empty_block(like: torch.Tensor, length: int) -> torch.Tensor:
@@ -224,6 +172,8 @@ class _Hop:
 
     def __init__(self, plan: RingPlan, send: Sequence[torch.Tensor | None], j: int) -> None:
         group = plan.group
+        if group is None:
+            raise ValueError("a ring hop needs the ring's process group (RingPlan.group is None: a ring of one)")
         n, i = group.size(), group.rank()
         self.recv = tuple(None if t is None else _empty_block(t, plan.kv_lengths[j]) for t in send)
         ops = [
@@ -235,7 +185,8 @@ class _Hop:
         self.requests = dist.batch_isend_irecv(ops) if ops else []
         self.ops = ops
 
-    def wait(self) -> tuple[torch.Tensor | None, ...]:
+    def wait(self) -> tuple[Any, ...]:
+        """The received tensors, in the order sent (None where None was sent)."""
         for request in self.requests:
             request.wait()
         recv = self.recv
@@ -246,22 +197,22 @@ class _Hop:
 def _forward_block(q, block, j, plan: RingPlan, out, lse) -> None:
     """Fold q's attention to ring block j into ``(out, lse)`` (a function, so that no local outlives it)."""
     bk, bv, bpad = block
-    for rows, cols, causal, aligned in plan.pairs(j, q.device):
+    for rows, cols, causal in plan.pairs(j):
         qq, kk = q[:, :, rows], bk[:, :, cols]
         if qq.shape[2] and kk.shape[2]:
             p = None if bpad is None else bpad[:, cols]
-            part, part_lse = attend_block(qq, kk, bv[:, :, cols], p, causal, aligned, plan.scale, plan.fused)
+            part, part_lse = attend(qq, kk, bv[:, :, cols], p, causal, plan.scale, plan.kernel)
             merge_partial(out[:, :, rows], lse[:, :, rows], part, part_lse)
 
 
 def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> None:
     """Add ring block j's share of the gradients to ``dq`` and block j's ``dk``, ``dv`` (fp32)."""
     bk, bv, bpad = block
-    for rows, cols, causal, aligned in plan.pairs(j, q.device):
+    for rows, cols, causal in plan.pairs(j):
         qq, kk = q[:, :, rows], bk[:, :, cols]
         if qq.shape[2] and kk.shape[2]:
             p = None if bpad is None else bpad[:, cols]
-            g = attend_block_backward(
+            g = attend_backward(
                 dout[:, :, rows],
                 qq,
                 kk,
@@ -270,9 +221,8 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
                 lse[:, :, rows],
                 p,
                 causal,
-                aligned,
                 plan.scale,
-                plan.fused,
+                plan.kernel,
             )
             dq[:, :, rows] += g[0]
             dk[:, :, cols] += g[1]

@@ -1,0 +1,128 @@
+"""The CUDA path of cp_attention without a GPU (tests/fake_cuda.py): fake CUDA tensors at the sizes of a
+video DiT (bf16, S_local 8192, 16 heads, head dim 128, cp 4) on torch's ``fake`` process group, in this one
+process as rank 0 of 4. FakeTensorMode runs torch's CUDA kernels' shape, dtype and stride rules (their meta
+functions): no memory is used and no value is computed, so these tests pin WHICH kernel runs and WHAT it
+allocates, never a result (benchmarks/gpu_check.py checks values on a GPU).
+
+Asserted for every method (ring, ulysses, usp, allgather), causal + zigzag, grouped-query K/V and a key padding
+mask: the fused SDPA op that ran (flash without a mask, memory-efficient with one) and that no op produced a
+tensor with two non-broadcast dims of at least S_local (an S_local x S_local grid). The math kernel, the
+last resort, is shown to be caught by the same check. Autograd on fake CUDA tensors aborts a CPU-only build,
+so the backward is checked by calling the block backward and the ring's backward directly.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from fake_cuda import fake_cuda, fake_process_group
+from torch.distributed.device_mesh import init_device_mesh
+
+from wf_mesh import attention_kernels
+from wf_mesh.attention import cp_attention
+from wf_mesh.attention_kernels import Kernel, attend, attend_backward
+from wf_mesh.attention_ops import RingAttention, RingPlan, rank_segments
+
+CP, S, HEADS, HEAD_DIM = 4, 8192, 16, 128
+FLASH = "aten._scaled_dot_product_flash_attention.default"
+EFFICIENT = "aten._scaled_dot_product_efficient_attention.default"
+FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_backward.default"
+EFFICIENT_BACKWARD = "aten._scaled_dot_product_efficient_attention_backward.default"
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    with fake_process_group(CP):
+        yield {
+            "cp": init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",)),
+            "usp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_ulysses")),
+        }
+
+
+def cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+VARIANTS = {  # name: (kv heads, key padding mask, the SDPA op)
+    "causal-zigzag": (HEADS, False, FLASH),
+    "causal-zigzag-gqa-padding": (4, True, EFFICIENT),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("method", ["ring", "ulysses", "usp", "allgather"])
+def test_forward_runs_the_fused_kernel_and_allocates_no_quadratic_tensor(method, variant, meshes):
+    kv_heads, padded, op = VARIANTS[variant]
+    with fake_cuda() as recorder:
+        q, k, v = cuda(1, S, HEADS, HEAD_DIM), cuda(1, S, kv_heads, HEAD_DIM), cuda(1, S, kv_heads, HEAD_DIM)
+        pad = torch.zeros(1, S, dtype=torch.bool, device="cuda") if padded else None
+        out = cp_attention(
+            q,
+            k,
+            v,
+            method=method,
+            mesh=meshes["usp" if method == "usp" else "cp"],
+            layout="bshd",
+            causal=True,
+            balance="zigzag",
+            key_padding_mask=pad,
+        )
+    assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda")
+    assert recorder.names("attention") == {op}
+    assert recorder.quadratic(S) == []
+
+
+def test_the_math_kernel_is_what_the_quadratic_check_catches(meshes, monkeypatch):
+    monkeypatch.setattr(attention_kernels, "_warned", set())  # it warns once per process and reason
+    with pytest.warns(RuntimeWarning, match=r"dtype torch.float64"), fake_cuda() as recorder:
+        q = cuda(1, HEADS, S, HEAD_DIM, dtype=torch.float64)
+        cp_attention(q, q, q, mesh=meshes["cp"], causal=True)
+    assert recorder.names("attention") == set()
+    caught = {op.name for op in recorder.quadratic(S)}
+    assert {"aten.bmm.default", "aten.exp.default"} <= caught, caught  # the scores and probabilities
+
+
+BLOCKS = {  # name: (kv heads, key padding mask, kernel, the backward op)
+    "flash-gqa": (4, False, Kernel.FLASH, FLASH_BACKWARD),
+    "efficient-gqa-padding": (4, True, Kernel.EFFICIENT, EFFICIENT_BACKWARD),
+    "efficient-head-dim-100": (HEADS, True, Kernel.EFFICIENT, EFFICIENT_BACKWARD),
+}
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_backward_runs_the_fused_backward_op(block, causal):
+    kv_heads, padded, kernel, op = BLOCKS[block]
+    d = 100 if block.endswith("100") else HEAD_DIM
+    with fake_cuda() as recorder:
+        q, dout = cuda(1, HEADS, S, d), cuda(1, HEADS, S, d)
+        k, v = cuda(1, kv_heads, S, d), cuda(1, kv_heads, S, d)
+        pad = torch.zeros(1, S, dtype=torch.bool, device="cuda") if padded else None
+        out, lse = attend(q, k, v, pad, causal, 0.1, kernel)
+        dq, dk, dv = attend_backward(dout, q, k, v, out, lse, pad, causal, 0.1, kernel)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, (1, HEADS, S), torch.float32)
+    assert [(g.shape, g.dtype) for g in (dq, dk, dv)] == [(x.shape, x.dtype) for x in (q, k, v)]
+    assert op in recorder.names("attention")
+    assert recorder.quadratic(S) == []
+
+
+def test_ring_backward_on_fake_tensors(meshes):
+    """RingAttention.backward called directly (a namespace stands in for autograd's ctx): K/V hops, the
+    fused backward per pair, dK/dV travelling back on the fake process group."""
+    segments = rank_segments(CP * S, CP, "zigzag")
+    group = meshes["cp"].get_group()
+    plan = RingPlan(group, 0, segments[0], segments, [S] * CP, True, 1 / math.sqrt(HEAD_DIM), Kernel.FLASH)
+    with fake_cuda() as recorder:
+        q, dout = cuda(1, HEADS, S, HEAD_DIM), cuda(1, HEADS, S, HEAD_DIM)
+        k, v = cuda(1, 4, S, HEAD_DIM), cuda(1, 4, S, HEAD_DIM)
+        out = cuda(1, HEADS, S, HEAD_DIM)
+        lse = torch.empty(1, HEADS, S, dtype=torch.float32, device="cuda")
+        ctx = types.SimpleNamespace(saved_tensors=(q, k, v, out, lse), pad=None, plan=plan)
+        dq, dk, dv, *_ = RingAttention.backward(ctx, dout)
+    assert [(g.shape, g.dtype) for g in (dq, dk, dv)] == [(x.shape, x.dtype) for x in (q, k, v)]
+    assert recorder.names("attention") == {FLASH_BACKWARD}
+    assert recorder.names("c10d") >= {"c10d.send.default", "c10d.recv_.default"}
+    assert recorder.quadratic(S) == []
