@@ -165,7 +165,7 @@ def find_split(
     (:func:`cp_size_t`) until the mesh is destroyed (or ``destroy_model_parallel`` is called).
 
     Raises:
-        LegacyIndivisibleSequenceError (an AssertionError and a ValueError): T does not divide by view_factor.
+        LegacyIndivisibleSequenceError: (an AssertionError and a ValueError) T does not divide by view_factor.
 
     >>> find_split((1, 16, 24, 88, 160), 16)
     torch.Size([3, 44, 160])
