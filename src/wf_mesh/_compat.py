@@ -40,11 +40,14 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "backend_options",
@@ -106,7 +109,7 @@ def backend_options(
     Returns None for backends without an options type (the global default timeout then applies).
     """
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False
@@ -128,7 +131,7 @@ def mesh_is_live(mesh: DeviceMesh) -> bool:
     process group registered under the name ...")."""
     try:
         for name in mesh_group_names(mesh):
-            dist.distributed_c10d._resolve_process_group(name)
+            dist.distributed_c10d._resolve_process_group(dist.distributed_c10d.GroupName(name))
     except (RuntimeError, ValueError, KeyError):
         return False
     return True
@@ -146,7 +149,7 @@ def release_meshes(root: DeviceMesh, derived: Iterable[DeviceMesh], destroy_grou
                 if name in seen:
                     continue
                 seen.add(name)
-                pg = dist.distributed_c10d._resolve_process_group(name)
+                pg = dist.distributed_c10d._resolve_process_group(dist.distributed_c10d.GroupName(name))
                 if pg is not None and pg is not default and pg != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(pg)
     for mesh in derived:
@@ -201,7 +204,7 @@ def foreach_add_(dst: list[torch.Tensor], other: list[torch.Tensor], *, alpha: f
     torch._foreach_add_(dst, other, alpha=alpha)
 
 
-def dtensor_local(dtensor: torch.Tensor) -> torch.Tensor:
+def dtensor_local(dtensor: DTensor) -> torch.Tensor:
     """The local shard object a DTensor holds (no view, no autograd): stable identity while the shard is."""
     return dtensor._local_tensor
 

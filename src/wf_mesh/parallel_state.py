@@ -62,6 +62,7 @@ AttributeError) until then and again once the mesh is destroyed; position-embedd
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import torch.distributed as dist
 
@@ -167,6 +168,10 @@ is_initialized = model_parallel_is_initialized
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
+@overload
+def _mesh(check_initialized: Literal[True]) -> ParallelMesh: ...
+@overload
+def _mesh(check_initialized: bool) -> ParallelMesh | None: ...
 def _mesh(check_initialized: bool) -> ParallelMesh | None:
     if not check_initialized:
         return parallel_mesh_or_none()
@@ -179,6 +184,10 @@ def _group(axis: str, check_initialized: bool = True) -> dist.ProcessGroup | Non
     return None if mesh is None else mesh.group(axis)
 
 
+@overload
+def _ranks(axis: str, check_initialized: Literal[True] = True) -> list[int]: ...
+@overload
+def _ranks(axis: str, check_initialized: bool) -> list[int] | None: ...
 def _ranks(axis: str, check_initialized: bool = True) -> list[int] | None:
     mesh = _mesh(check_initialized)
     return None if mesh is None else mesh.ranks(axis)
@@ -411,7 +420,8 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
     virtual stage."""
     if not ignore_virtual:
         stage = _virtual_stage(vp_stage)
-        if stage is not None and stage != _mp.state.vpp_world_size - 1:
+        vpp_world_size = _mp.state.vpp_world_size  # set whenever there is a virtual stage
+        if stage is not None and vpp_world_size is not None and stage != vpp_world_size - 1:
             return False
     return get_pp_rank() == get_pp_world_size() - 1
 

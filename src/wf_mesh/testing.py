@@ -430,7 +430,7 @@ def c10d_ops(on_op: Callable[[str, tuple], None]) -> Any:
     """
     from wf_mesh import _compat
 
-    class C10dOps(_compat.dispatch_mode()):
+    class C10dOps(_compat.dispatch_mode()):  # type: ignore[misc]  # torch's base class, found at run time
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 on_op(str(func).split(".")[1], args)
