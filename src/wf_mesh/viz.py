@@ -183,7 +183,8 @@ def _group_layout(dims: ParallelDims, axis: str, index: int) -> tuple[int, list[
     """Group ``index`` of ``axis`` as (first rank, [(size, stride), ...] of its member axes, fastest first,
     adjacent axes merged): pure arithmetic, whatever the group's size (``dims.group`` lists every member)."""
     members = _member_names(dims, axis)
-    base, inner = 0, []
+    base = 0
+    inner: list[tuple[int, int]] = []
     for atom in _atoms(dims):
         if atom.name in members:
             if atom.size > 1:
@@ -427,7 +428,9 @@ class TopologyView:
 
     def _group_rows(self) -> list[list[str]]:
         """Per listed axis: name, groups, size, the first groups (as many as fit), a note."""
-        rows, seen = [], {}
+        rows: list[list[str]] = []
+        counts: list[int] = []
+        seen: dict[frozenset[str], str] = {}
         for axis in self.listed:
             n, size = self.dims.num_groups(axis), self.dims.degree(axis)
             key = frozenset(a.name for a in self.atoms if a.name in _member_names(self.dims, axis))
@@ -435,16 +438,17 @@ class TopologyView:
             if key in seen and len(self.listed) > 1:
                 notes.append(f"= {seen[key]}")
             seen.setdefault(key, axis)
-            rows.append([axis, str(n), str(size), f"  ({'; '.join(notes)})" if notes else "", n])
+            rows.append([axis, str(n), str(size), f"  ({'; '.join(notes)})" if notes else ""])
+            counts.append(n)
         name_w = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(["axis", "groups", "size"]))
         out = []
-        for axis, n, size, note, count in rows:
+        for (axis, groups, degree, note), count in zip(rows, counts):
             room = self.width - name_w - len(note)
             parts = self._listing(axis, count, room)
             if len(parts) < count:  # cut: make room for the "(N more)" that says so
                 parts = self._listing(axis, count, room - len(f" ({count} more)"))
             listing = " ".join(parts) + (f" ({count - len(parts)} more)" if count > len(parts) else "")
-            out.append([axis, n, size, listing + note])
+            out.append([axis, groups, degree, listing + note])
         return out
 
     def _listing(self, axis: str, count: int, budget: int) -> list[str]:
@@ -492,7 +496,7 @@ class TopologyView:
     def _td(self, rank: int, axis: str | None, group: int | None) -> str:
         title = self._title(rank) + (f", {axis} group {group}" if axis else "")
         me = ' class="me"' if rank == self.highlight else ""
-        style = f' style="{_cell_style(group)}"' if axis else ""
+        style = f' style="{_cell_style(group)}"' if axis and group is not None else ""
         text = f"{rank}*" if rank == self.highlight else str(rank)
         return f'<td{me}{style} title="{html.escape(title)}">{text}</td>'
 
@@ -509,7 +513,7 @@ class TopologyView:
         )
         tables = []
         for axis in self.axes or (None,):
-            ids = self.group_ids(axis) if axis else [[None] * len(grid[0])] * len(grid)
+            ids: Sequence[Sequence[int | None]] = self.group_ids(axis) if axis else [[None] * len(grid[0])] * len(grid)
             rows = [
                 f"<tr><th>{html.escape(self._row_label(r))}</th>"
                 + "".join(self._td(rank, axis, g) for rank, g in zip(row, row_ids))
@@ -622,10 +626,12 @@ class PlacementView:
     def __init__(
         self, dtensor: Any, *, dim_names: Sequence[str] | None = None, highlight: int | None = None, max_rows: int = 32
     ) -> None:
-        DTensor = None
+        is_dtensor = False
         if "torch" in sys.modules:  # a DTensor exists only once torch is imported
             from torch.distributed.tensor import DTensor
-        if DTensor is None or not isinstance(dtensor, DTensor):
+
+            is_dtensor = isinstance(dtensor, DTensor)
+        if not is_dtensor:
             raise TypeError(f"PlacementView needs a DTensor, got {type(dtensor).__name__}; use PlacementView.plan(...)")
         import torch.distributed as dist
 
