@@ -75,7 +75,11 @@ def format_table(
         rule: a line of dashes under the header.
         indent: text before every line.
 
-    Trailing spaces are stripped from every line.
+    Returns:
+        The table's lines joined by newlines; trailing spaces are stripped from every line.
+
+    Raises:
+        ValueError: an ``align`` letter other than ``"l"`` or ``"r"``.
 
     >>> print(format_table(["name", "n"], [["a", 1], ["bb", 22]], align="lr"))
     name   n
@@ -121,8 +125,12 @@ def _run_parts(start: int, count: int, step: int) -> Iterator[Part]:
 
 
 def _join(parts: Iterator[Part], total: int, last: Part, max_parts: int) -> str:
-    """``[a,b,...]`` of at most ``max_parts`` parts; a cut list keeps the first ``max_parts - 1`` parts and the
-    last one, and says how many ranks it left out between them."""
+    """Join ``parts`` as ``[a,b,...]`` of at most ``max_parts`` parts.
+
+    Returns:
+        The list text; a cut list keeps the first ``max_parts - 1`` parts and the last one, and says how many
+        ranks it left out between them.
+    """
     shown = list(itertools.islice(parts, max(max_parts, 2) + 1))
     if len(shown) <= max(max_parts, 2):
         return "[" + ",".join(text for text, _ in shown) + "]"
@@ -134,8 +142,9 @@ def _join(parts: Iterator[Part], total: int, last: Part, max_parts: int) -> str:
 def format_ranks(ranks: Sequence[int], *, max_ranks: int = 16) -> str:
     """Compact rank list: runs of 3+ consecutive ranks as ``a-b``, e.g. ``[0-3,8,9]``.
 
-    More than ``max_ranks`` entries (a run counts as one) keeps the first ``max_ranks - 1`` and the last, and
-    says how many ranks are left out between them: ``[0,2,4,(16 more),38]``.
+    Returns:
+        The text; more than ``max_ranks`` entries (a run counts as one) keep the first ``max_ranks - 1`` and
+        the last, and say how many ranks are left out between them: ``[0,2,4,(16 more),38]``.
     """
     ranks = list(ranks)
     if not ranks:
@@ -180,8 +189,12 @@ def _member_names(dims: ParallelDims, axis: str) -> set[str]:
 
 
 def _group_layout(dims: ParallelDims, axis: str, index: int) -> tuple[int, list[tuple[int, int]]]:
-    """Group ``index`` of ``axis`` as (first rank, [(size, stride), ...] of its member axes, fastest first,
-    adjacent axes merged): pure arithmetic, whatever the group's size (``dims.group`` lists every member)."""
+    """The layout of group ``index`` of ``axis``: pure arithmetic, whatever the group's size (``dims.group``
+    lists every member).
+
+    Returns:
+        ``(first rank, [(size, stride), ...] of its member axes)``, fastest first, adjacent axes merged.
+    """
     members = _member_names(dims, axis)
     base = 0
     inner: list[tuple[int, int]] = []
@@ -225,8 +238,12 @@ def _format_group(dims: ParallelDims, axis: str, index: int, max_ranks: int) -> 
 
 # ---- layout helpers ---------------------------------------------------------------------------------
 def _side_by_side(labels: list[str], blocks: list[list[str]], width: int) -> list[str]:
-    """Blocks (lists of lines, all as long as ``labels``) left to right, in rows of at most ``width``
-    characters; each row of blocks starts with the ``labels`` column."""
+    """Lay out blocks (lists of lines, all as long as ``labels``) left to right.
+
+    Returns:
+        The lines, in rows of at most ``width`` characters; each row of blocks starts with the ``labels``
+        column.
+    """
     lw = max(map(len, labels), default=0)
     prefix = lw + 2 if lw else 0
     rows: list[list[list[str]]] = []
@@ -375,6 +392,7 @@ class TopologyView:
 
     @property
     def cut(self) -> bool:
+        """Whether the grid shows fewer rows or columns than the mesh has."""
         return (self.shown_rows, self.shown_cols) != (self.nrows, self.ncols)
 
     def _row_label(self, row: int) -> str:
@@ -586,7 +604,14 @@ def _spec(placement: Any) -> PlacementSpec:
 
 def parse_placement(placement: Any) -> Any:
     """A torch Shard / Replicate / Partial placement from itself or a short form: ``"S(2)"`` (``"Shard(2)"``),
-    ``"R"``, ``"P"`` (sum) or ``"P(avg)"``. ValueError for anything else (e.g. ``_StridedShard``). Imports torch."""
+    ``"R"``, ``"P"`` (sum) or ``"P(avg)"``. Imports torch.
+
+    Returns:
+        The placement.
+
+    Raises:
+        ValueError: anything else (e.g. ``_StridedShard``).
+    """
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     spec = _spec(placement)
@@ -607,6 +632,7 @@ class RankSlice(NamedTuple):
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's shard."""
         return tuple(stop - start for start, stop in self.ranges)
 
 
@@ -665,7 +691,14 @@ class PlacementView:
     ) -> PlacementView:
         """The view of a tensor of ``shape`` placed on a mesh of ``mesh_shape`` (global ranks ``ranks``: nested
         lists or a tensor of that shape, default ``0..N-1`` row-major) with one placement per mesh axis (torch
-        placements or the short forms ``"S(d)"``, ``"R"``, ``"P"``). Pure."""
+        placements or the short forms ``"S(d)"``, ``"R"``, ``"P"``). Pure.
+
+        Returns:
+            The view.
+
+        Raises:
+            ValueError: placements, mesh shape and ranks that do not fit each other or the tensor.
+        """
         mesh_shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(int(s) for s in mesh_shape)
         flat = None
         if ranks is not None:
