@@ -52,6 +52,8 @@ def broadcast_everything():
     mixed = {"latent": sample((2, 3)), "flags": [True, torch.arange(3)], "t": DataType.VIDEO}
     out["mixed"] = wf_mesh.broadcast(mixed if rank == 1 else None, group)
     again = wf_mesh.broadcast(mixed, group)  # receivers pass their own dict: ignored
+    # a value whose only tensors are empty carries no tensor bytes (it once hung the source, receivers raised)
+    out["empty_only"] = wf_mesh.broadcast({"e": torch.empty(0, 4), "n": 1} if rank == 1 else None, group)
     out["source_identity"] = again is mixed
     return out
 
@@ -70,6 +72,7 @@ def test_typed_payloads_arrive_exactly_with_their_types():
             assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)) if tensor.ndim else got == tensor
         assert torch.equal(out["mixed"]["latent"], sample((2, 3))) and out["mixed"]["t"] is DataType.VIDEO
         assert out["mixed"]["flags"][0] is True and torch.equal(out["mixed"]["flags"][1], torch.arange(3))
+        assert out["empty_only"]["n"] == 1 and out["empty_only"]["e"].shape == (0, 4)
     assert [out["source_identity"] for out in results[1:]] == [True, False, False]
 
 

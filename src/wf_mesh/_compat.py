@@ -48,11 +48,14 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "backend_options",
@@ -104,8 +107,11 @@ def unflatten(
 
 
 def default_group_timeout() -> datetime.timedelta:
-    """The timeout the default process group was created with (torch's default for its backend where the
-    backend keeps no options, like the ``fake`` one)."""
+    """The timeout the default process group was created with.
+
+    Returns:
+        That timeout; torch's default for its backend where the backend keeps no options (the ``fake`` one).
+    """
     backend = dist.get_backend()
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     options = getattr(dist.distributed_c10d._get_default_group()._get_backend(device), "options", None)
@@ -120,10 +126,13 @@ def backend_options(
     """Options object for one mesh axis's process groups on ``backend``, carrying ``timeout``.
 
     ``nccl_config`` holds NCCL communicator settings (``min_ctas``, ``max_ctas``, ``cga_cluster_size``).
-    Returns None for backends without an options type (the global default timeout then applies).
+
+    Returns:
+        The backend's options, or None for backends without an options type (the global default timeout then
+        applies).
     """
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False
@@ -141,11 +150,15 @@ def mesh_group_names(mesh: DeviceMesh) -> list[str]:
 
 
 def mesh_is_live(mesh: DeviceMesh) -> bool:
-    """False once the process groups of ``mesh`` were destroyed (torch would fail with "Could not resolve the
-    process group registered under the name ...")."""
+    """Whether the process groups of ``mesh`` still exist.
+
+    Returns:
+        False once they were destroyed (torch would fail with "Could not resolve the process group registered
+        under the name ...").
+    """
     try:
         for name in mesh_group_names(mesh):
-            dist.distributed_c10d._resolve_process_group(name)
+            dist.distributed_c10d._resolve_process_group(dist.distributed_c10d.GroupName(name))
     except (RuntimeError, ValueError, KeyError):
         return False
     return True
@@ -163,7 +176,7 @@ def release_meshes(root: DeviceMesh, derived: Iterable[DeviceMesh], destroy_grou
                 if name in seen:
                     continue
                 seen.add(name)
-                pg = dist.distributed_c10d._resolve_process_group(name)
+                pg = dist.distributed_c10d._resolve_process_group(dist.distributed_c10d.GroupName(name))
                 if pg is not None and pg is not default and pg != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(pg)
     for mesh in derived:
@@ -185,15 +198,23 @@ def process_groups() -> list[dist.ProcessGroup]:
 
 
 def new_group_calls() -> int:
-    """``new_group`` calls made so far in this process (non-member calls create no group on this rank but
-    still advance torch's group counter)."""
+    """How many ``new_group`` calls this process made so far (non-member calls included: they create no group
+    on this rank but still advance torch's group counter).
+
+    Returns:
+        The count.
+    """
     return dist.distributed_c10d._world.group_count
 
 
 # ---- shard-local state (ema.py, state_sync.py) ----------------------------------------------------------
 def parameter_registry(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
-    """``module``'s own parameters by attribute name (not its children's): the live dict ``register_parameter``
-    writes, so that an identity check against it sees a re-registered parameter."""
+    """``module``'s own parameters by attribute name (not its children's).
+
+    Returns:
+        The live dict ``register_parameter`` writes, so that an identity check against it sees a
+        re-registered parameter.
+    """
     return module._parameters
 
 
@@ -218,7 +239,7 @@ def foreach_add_(dst: list[torch.Tensor], other: list[torch.Tensor], *, alpha: f
     torch._foreach_add_(dst, other, alpha=alpha)
 
 
-def dtensor_local(dtensor: torch.Tensor) -> torch.Tensor:
+def dtensor_local(dtensor: DTensor) -> torch.Tensor:
     """The local shard object a DTensor holds (no view, no autograd): stable identity while the shard is."""
     return dtensor._local_tensor
 
@@ -261,12 +282,15 @@ def clear_dtensor_caches() -> None:
 def flash_attention_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, is_causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of softmax attention of CPU tensors ``(B, H, S, D)`` (the flash kernel of SDPA).
+    """Softmax attention of CPU tensors ``(B, H, S, D)`` (the flash kernel of SDPA).
 
     ``lse`` is fp32 ``(B, H, Sq)`` whatever the input dtype. ``bias``: additive float mask in q's dtype,
     broadcastable to ``(B, H, Sq, Sk)``. k/v may have fewer heads than q (grouped as ``enable_gqa=True``).
     Quirks the caller handles: a row whose keys are all masked gets out 0 and lse 0 (not -inf), and a
     key length of 0 crashes the process (SIGFPE).
+
+    Returns:
+        ``(out, lse)``.
     """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
@@ -284,8 +308,12 @@ def flash_attention_cpu_backward(
     is_causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`flash_attention_cpu` for the given ``out`` and ``lse``: passing those of the
-    whole key range (the merged result) gives one key block's exact share of the gradients."""
+    """The backward of :func:`flash_attention_cpu` for the given ``out`` and ``lse``: passing those of the
+    whole key range (the merged result) gives one key block's exact share of the gradients.
+
+    Returns:
+        ``(dq, dk, dv)``.
+    """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
     )

@@ -114,8 +114,7 @@ _checks: bool | None = None  # set while a mesh built with an explicit choice is
 
 
 def checks_enabled() -> bool:
-    """Whether validation-only exchanges run: the current mesh's ``checks`` setting, else ``WF_MESH_CHECKS``
-    (anything but ``"0"`` means on; the default is on)."""
+    """Whether validation-only exchanges run: the mesh's ``checks``, else ``WF_MESH_CHECKS`` (on unless ``"0"``)."""
     if _checks is not None:
         return _checks
     return os.environ.get("WF_MESH_CHECKS", "1") != "0"
@@ -279,7 +278,7 @@ class Facts:
         return slots
 
     @classmethod
-    def decode(cls, slots: Sequence[int]) -> Facts:
+    def decode(cls: type[F], slots: Sequence[int]) -> F:
         """A record from its wire slots; local fields are None."""
         rest, values = list(slots), {}
         for field, kind in cls._wire_fields():
@@ -294,17 +293,28 @@ def _call_code(what: str) -> int:
 
 
 def header_row(what: str, facts: Facts | Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """One rank's row as an int64 tensor of ``ROW`` (the wire format of every header wf_mesh sends, also
-    point to point: the pipeline's checked mode sends one before each payload)."""
+    """One rank's row in the wire format of every header wf_mesh sends (also point to point: the pipeline's
+    checked mode sends one before each payload).
+
+    Returns:
+        An int64 tensor of ``ROW`` slots on ``device``.
+    """
     slots = _slots(what, facts)
     row = torch.zeros(ROW, dtype=torch.int64)
     row[: 4 + len(slots)] = torch.tensor([_call_code(what), _OK, 0, len(slots), *slots], dtype=torch.int64)
     return row.to(device)
 
 
+@typing.overload
+def read_header(row: torch.Tensor, what: str, schema: None = None) -> tuple[int, ...] | None: ...
+@typing.overload
+def read_header(row: torch.Tensor, what: str, schema: type[F]) -> F | None: ...
 def read_header(row: torch.Tensor, what: str, schema: type[F] | None = None) -> F | tuple[int, ...] | None:
-    """The facts of a :func:`header_row` sent by ``what`` (a ``schema`` record, else the raw ints); None if the
-    row is not such a header."""
+    """The facts of a :func:`header_row` sent by ``what``.
+
+    Returns:
+        A ``schema`` record, else the raw ints; None if the row is not such a header.
+    """
     values = row.tolist()
     if values[0] != _call_code(what) or values[1] != _OK or not 0 <= values[3] <= MAX_FACTS:
         return None
@@ -349,7 +359,7 @@ class Agreed(Generic[F]):
     """Global ranks of the group, in group-rank order."""
     rows: list[F] | None
     """Each rank's record as exchanged (local fields None); None when the exchange did not run (checks off)."""
-    mine: F | None = None
+    mine: F
     """This rank's record, local fields included."""
 
     @property
@@ -357,11 +367,20 @@ class Agreed(Generic[F]):
         """Whether the ranks exchanged their facts (False: checks off, only this rank's validation ran)."""
         return self.rows is not None
 
-    def values(self, name: str) -> list:
-        """Field ``name`` of every rank's record, in group-rank order."""
+    @property
+    def all_rows(self) -> list[F]:
+        """:attr:`rows` of an exchange that ran (``required=True``, or checks on).
+
+        Raises:
+            RuntimeError: the facts were not exchanged (checks are off).
+        """
         if self.rows is None:
             raise RuntimeError(f"{self.what}: the facts were not exchanged (checks are off)")
-        return [getattr(row, name) for row in self.rows]
+        return self.rows
+
+    def values(self, name: str) -> list:
+        """Field ``name`` of every rank's record, in group-rank order (of :attr:`all_rows`)."""
+        return [getattr(row, name) for row in self.all_rows]
 
     def require_same(
         self,
@@ -375,6 +394,9 @@ class Agreed(Generic[F]):
 
         The message names the fields (their labels, or ``label``) and each rank's value. Nothing to check when
         the exchange did not run.
+
+        Raises:
+            TypeError: neither ``names`` nor ``key`` given, or a ``key`` without its ``label``.
         """
         if self.rows is None:
             return
@@ -387,7 +409,7 @@ class Agreed(Generic[F]):
             key = (
                 (lambda r: getattr(r, names[0])) if len(names) == 1 else (lambda r: tuple(getattr(r, n) for n in names))
             )
-            labels = [schema.label(n) for n in names]  # type: ignore[attr-defined]
+            labels = [schema.label(n) for n in names]
             label = label or (labels[0] if len(labels) == 1 else "(" + ", ".join(labels) + ")")
         elif label is None:
             raise TypeError("require_same with a key needs its label")
@@ -397,7 +419,7 @@ class Agreed(Generic[F]):
 
 
 def agree(
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     facts: Callable[[], F],
     *,
     what: str,
@@ -411,7 +433,7 @@ def agree(
     (``what``), every rank raises (see the module docstring) and no data collective follows.
 
     Args:
-        group: the group the following collective runs on.
+        group: the group the following collective runs on (None: the default group).
         facts: returns this rank's :class:`Facts` record (at most ``MAX_FACTS`` slots on the wire); whatever
             it raises is this rank's verdict.
         what: the call's name, e.g. ``"gather_sequence"``; it starts every message.
@@ -421,14 +443,14 @@ def agree(
         The agreed records; ``mine`` is this rank's own, local fields included.
 
     Raises:
-        The type a failing rank raised (on every rank), or DisagreementError when ranks are in different calls.
+        DisagreementError: ranks are in different calls (a failing rank's exception type is raised as said).
     """
     ranks = dist.get_process_group_ranks(group)
     if not required and not checks_enabled():
         skipped = facts()
-        return Agreed(what, ranks, None, skipped) if isinstance(skipped, Facts) else None  # type: ignore[return-value]
+        return Agreed(what, ranks, None, skipped) if isinstance(skipped, Facts) else None
     message = b""
-    mine = None
+    mine: F | None = None
     try:
         mine = facts()
         slots = _slots(what, mine)
@@ -461,12 +483,14 @@ def agree(
             )
         _raise_reported(what, ranks, texts)
     received = [tuple(r[4 : 4 + r[3]]) for r in table]
-    schema = type(mine)
-    rows = [schema.decode(r) for r in received] if isinstance(mine, Facts) else received
-    return Agreed(what, ranks, rows, mine)  # type: ignore[arg-type]
+    if not isinstance(mine, Facts):  # transition: facts() returned the raw ints
+        return Agreed(what, ranks, received, mine)  # type: ignore[arg-type]
+    return Agreed(what, ranks, [type(mine).decode(r) for r in received], mine)
 
 
-def _gather_messages(message: bytes, lengths: list[int], group: dist.ProcessGroup, device: torch.device) -> list[str]:
+def _gather_messages(
+    message: bytes, lengths: list[int], group: dist.ProcessGroup | None, device: torch.device
+) -> list[str]:
     """All-gather each rank's UTF-8 message (``lengths[i] < 0``: the length is not known, exchange it first)."""
     if any(n < 0 for n in lengths):
         mine = torch.tensor([len(message)], dtype=torch.int64, device=device)

@@ -91,6 +91,9 @@ class LaunchEnv:
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM host list: ``"node[03-05,9],gpu1"`` -> ``"node03"`` (zero padding kept).
 
+    Returns:
+        The host name.
+
     Raises:
         ValueError: ``nodelist`` is empty or its brackets do not match.
     """
@@ -191,6 +194,9 @@ def read_launch_env(environ: Mapping[str, str] | None = None, *, what: str = "in
         environ: the environment to read.
         what: the caller's name, for the messages.
 
+    Returns:
+        What the launcher said.
+
     Raises:
         RuntimeError: a variable the launcher's set needs is missing (``RANK`` without ``WORLD_SIZE``, ...).
         ValueError: a variable is not a number, or a rank is out of range.
@@ -223,10 +229,12 @@ class DistributedSession:
 
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return self.mesh.global_rank
 
     @property
     def world_size(self) -> int:
+        """The number of processes."""
         return self.mesh.dims.world_size
 
     def close(self) -> None:

@@ -153,7 +153,7 @@ def _enum_member(path: str, name: str) -> enum.Enum:
 
 
 def _tensor_specs(data: bytes) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """dtype and shape of every tensor in an encoded value, in order (to allocate receive buffers)."""
+    """The dtype and shape of every tensor in an encoded value, in order (to allocate receive buffers)."""
     specs, decoder = [], _Decoder(data, [])
     stack = [1]  # values still to read at each nesting level
     while stack:
@@ -224,7 +224,8 @@ def _broadcast_facts(item: Any, is_source: bool, pickle_ok: bool) -> _BroadcastF
         return _BroadcastFacts("none" if item is None else "value", pickle_ok)
     if item is None:
         return _BroadcastFacts("none", True)
-    encoded, tensors = bytearray(), []
+    encoded = bytearray()
+    tensors: list[torch.Tensor] = []
     try:
         _encode(item, encoded, tensors)
     except _Unsupported as exc:
@@ -269,7 +270,7 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     agreed = agreement.agree(
         process_group, lambda: _broadcast_facts(item, is_source, pickle_ok), what="broadcast", required=True
     )
-    src = agreed.rows[0]
+    src = agreed.all_rows[0]
     if src.kind == "none":
         return None
     if src.kind == "tensor":
@@ -284,11 +285,14 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
         else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
     )
     dist.broadcast(data, group=process_group, group_src=0)
-    if is_source:
-        payload = torch.cat([bytes_of(t.detach()).to(device) for t in mine.tensors]) if mine.tensors else None
-    else:
-        payload = torch.empty(src.tensor_bytes, dtype=torch.uint8, device=device) if src.tensor_bytes else None
-    if payload is not None:
+    # sent only when there are bytes to send, decided by the source's facts alike on every rank (empty tensors
+    # in the value take none)
+    payload = torch.empty(0, dtype=torch.uint8, device=device)
+    if src.tensor_bytes:
+        if is_source:
+            payload = torch.cat([bytes_of(t.detach()).to(device) for t in mine.tensors])
+        else:
+            payload = torch.empty(src.tensor_bytes, dtype=torch.uint8, device=device)
         dist.broadcast(payload, group=process_group, group_src=0)
     if is_source:
         return item
@@ -304,33 +308,35 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
 def _broadcast_tensor(
     item: Any, agreed: agreement.Agreed[_BroadcastFacts], group: dist.ProcessGroup, is_source: bool
 ) -> torch.Tensor:
-    src = agreed.rows[0]
+    src = agreed.all_rows[0]
     disagree = [
         rank
-        for rank, row in zip(agreed.ranks, agreed.rows)
+        for rank, row in zip(agreed.ranks, agreed.all_rows)
         if row.kind == "tensor" and (row.dtype, len(row.shape)) != (src.dtype, len(src.shape))
     ]
     if disagree:
-        every = ", ".join(f"rank {rank}: {row.shown()}" for rank, row in zip(agreed.ranks, agreed.rows))
+        every = ", ".join(f"rank {rank}: {row.shown()}" for rank, row in zip(agreed.ranks, agreed.all_rows))
         raise ShapeMismatchError(
             f"broadcast: ranks {disagree} passed tensors that do not match the source's (rank {agreed.ranks[0]}) "
             f"ndim and dtype; receivers pass None or a tensor of the same ndim and dtype: {every}"
         )
+    dtype = src.dtype
+    assert dtype is not None, "a tensor's facts carry its dtype"
     device = agreement.comm_device(group)
     data = (
         bytes_of(item.detach()).to(device)
         if is_source
-        else torch.empty(torch.Size(src.shape).numel() * src.dtype.itemsize, dtype=torch.uint8, device=device)
+        else torch.empty(torch.Size(src.shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
     )
     if data.numel():
         dist.broadcast(data, group=group, group_src=0)
-    return item if is_source else tensor_from_bytes(data, src.dtype, src.shape)
+    return item if is_source else tensor_from_bytes(data, dtype, src.shape)
 
 
 def _broadcast_pickled(
     item: Any, agreed: agreement.Agreed[_BroadcastFacts], group: dist.ProcessGroup, is_source: bool
 ) -> Any:
-    refusing = [rank for rank, row in zip(agreed.ranks, agreed.rows) if not row.pickle_ok]
+    refusing = [rank for rank, row in zip(agreed.ranks, agreed.all_rows) if not row.pickle_ok]
     if refusing:
         raise TypeError(
             f"broadcast: the source's value needs pickle and ranks {refusing} turned pickle off "

@@ -110,7 +110,11 @@ def sequence_dtensor(
     mesh: DeviceMesh | ParallelMesh | None = None,
 ) -> DTensor:
     """Wrap this rank's CP shard as a DTensor placed ``Shard(seq_dim)`` with the given global shape (never
-    inferred: inference assumes even shards). No collective, no check against the other ranks."""
+    inferred: inference assumes even shards). No collective, no check against the other ranks.
+
+    Returns:
+        The DTensor on the cp mesh whose local tensor is ``local``.
+    """
     global_shape = torch.Size(global_shape)
     dim = normalize_dim(seq_dim, local.ndim)
     return DTensor.from_local(
@@ -125,10 +129,13 @@ def shard_sequence(
     """This rank's CP shard of ``x`` along ``seq_dim`` (Replicate -> Shard): no collective.
 
     Rank r of the cp mesh gets block r in ``torch.chunk`` sizing (uneven lengths allowed), as a view of
-    ``x`` (no copy). Returns a plain tensor, so ordinary modules can run on it; ``as_dtensor=True`` returns a
-    DTensor placed ``Shard(seq_dim)`` with the full global shape instead. Gradient: this rank's slice of
-    the upstream gradient flows into ``x``. Not idempotent: sharding a shard shards it again. A DTensor
-    ``x`` on the cp mesh is redistributed to ``Shard(seq_dim)``; one on another mesh is an error.
+    ``x`` (no copy). Gradient: this rank's slice of the upstream gradient flows into ``x``. Not idempotent:
+    sharding a shard shards it again. A DTensor ``x`` on the cp mesh is redistributed to ``Shard(seq_dim)``;
+    one on another mesh is an error.
+
+    Returns:
+        A plain tensor, so ordinary modules can run on it; with ``as_dtensor=True`` a DTensor placed
+        ``Shard(seq_dim)`` with the full global shape instead.
     """
     mesh = cp_mesh(mesh)
     dim = normalize_dim(seq_dim, x.ndim)
@@ -152,13 +159,14 @@ def _require_mesh(x: DTensor, mesh: DeviceMesh, what: str) -> None:
 # ---- gather -----------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _GatherFacts(agreement.Facts):
-    input: str = agreement.fact(label="DTensor-or-plain input", choices=("plain tensor", "DTensor"))
+    # fact() fields last: to mypy's dataclass plugin any call is a default, and defaults must come last
     seq_dim: int
     seq_len: int | None
     """The global length: a DTensor's, or the ``seq_len`` given (None: the sum of the local lengths)."""
-    grad: str = agreement.fact(choices=_GRAD_RULES)
     dtype: torch.dtype
     local_shape: tuple[int, ...]
+    input: str = agreement.fact(label="DTensor-or-plain input", choices=("plain tensor", "DTensor"))
+    grad: str = agreement.fact(choices=_GRAD_RULES)
 
     @property
     def local_len(self) -> int:
@@ -186,11 +194,11 @@ def _gather_facts(
         if seq_dim is not None and normalize_dim(seq_dim, x.ndim) != placement.dim:
             raise ValueError(f"seq_dim={seq_dim} but the DTensor is sharded on dim {placement.dim}")
         local_shape = tuple(_compat.dtensor_local(x).shape)
-        return _GatherFacts("DTensor", placement.dim, x.shape[placement.dim], grad, x.dtype, local_shape)
+        return _GatherFacts(placement.dim, x.shape[placement.dim], x.dtype, local_shape, input="DTensor", grad=grad)
     if seq_dim is None:
         raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")
     total = None if seq_len is None else as_int("seq_len", seq_len, minimum=0)
-    return _GatherFacts("plain tensor", normalize_dim(seq_dim, x.ndim), total, grad, x.dtype, tuple(x.shape))
+    return _GatherFacts(normalize_dim(seq_dim, x.ndim), total, x.dtype, tuple(x.shape), input="plain tensor", grad=grad)
 
 
 def gather_sequence(
@@ -201,7 +209,7 @@ def gather_sequence(
     seq_len: int | None = None,
     grad: GradRule = "replicate",
 ) -> torch.Tensor:
-    """The full tensor from CP shards (Shard -> Replicate): one all-gather. Returns a plain tensor.
+    """The full tensor from CP shards (Shard -> Replicate): one all-gather.
 
     ``x`` is this rank's local shard with ``seq_dim``, or a DTensor placed ``Shard(dim)`` on a 1-D mesh (its
     placement gives the dim and its shape the global length; ``mesh=``, if given, must be its mesh). The
@@ -213,20 +221,22 @@ def gather_sequence(
     (``WF_MESH_CHECKS=0``), a plain ``x`` of an uneven split needs ``seq_len`` (the default is then local
     length x cp size).
 
+    Returns:
+        The full tensor, a plain tensor on every rank.
+
     Raises:
         ShapeMismatchError: shards that disagree on dtype or the other dims, or that are not the
             ``torch.chunk`` shards of the global length.
         DisagreementError: ranks that disagree on ``seq_dim``, ``seq_len``, ``grad`` or DTensor-or-plain.
         IndexError, TypeError, ValueError: a bad argument on any rank.
     """
-    dtensor = isinstance(x, DTensor)
-    group_mesh = cp_mesh(mesh if mesh is not None or not dtensor else x.device_mesh)
+    group_mesh = cp_mesh(mesh if mesh is not None or not isinstance(x, DTensor) else x.device_mesh)
     agreed = agreement.agree(
         group_mesh.get_group(), lambda: _gather_facts(x, seq_dim, seq_len, grad, group_mesh), what="gather_sequence"
     )
     parts, index = group_mesh.size(), group_mesh.get_local_rank()
     total = _agreed_length(agreed, parts) if agreed.exchanged else None
-    if dtensor:
+    if isinstance(x, DTensor):
         local = x
     else:
         dim = agreed.mine.seq_dim
@@ -249,7 +259,7 @@ def _agreed_length(agreed: agreement.Agreed[_GatherFacts], parts: int) -> int:
     agreed.require_same(
         key=_GatherFacts.other_dims, label="dtype and the dims other than seq_dim", error=ShapeMismatchError
     )
-    lengths = [row.local_len for row in agreed.rows]
+    lengths = [row.local_len for row in agreed.all_rows]
     total = agreed.mine.seq_len if agreed.mine.seq_len is not None else sum(lengths)
     expected = chunk_sizes(total, parts)
     if lengths != expected:
@@ -308,11 +318,11 @@ def broadcast_shard(
     parts, index = mesh.size(), mesh.get_local_rank()
     source = index == 0
     agreed = agreement.agree(group, lambda: _scatter_facts(x, seq_dim, source), what="broadcast_shard", required=True)
-    src = agreed.rows[0]
+    src = agreed.all_rows[0]
     if src.dtype is None:
         return None
     dtype, shape, ndim = src.dtype, torch.Size(src.shape), len(src.shape)
-    bad = [(rank, r.seq_dim) for rank, r in zip(agreed.ranks, agreed.rows) if not -ndim <= r.seq_dim < ndim]
+    bad = [(rank, r.seq_dim) for rank, r in zip(agreed.ranks, agreed.all_rows) if not -ndim <= r.seq_dim < ndim]
     if bad:
         raise IndexError(f"broadcast_shard: seq_dim out of range for the source's {ndim}-D tensor on ranks {bad}")
     agreed.require_same(key=lambda r: r.seq_dim % ndim, label="seq_dim")
@@ -320,7 +330,9 @@ def broadcast_shard(
     sizes = chunk_sizes(shape[dim], parts)
     device = agreement.comm_device(group)
     chunks = None
-    if source:  # equal-size byte buffers (gloo's scatter needs equal sizes): pad, then trim on receipt
+    if (
+        source and x is not None
+    ):  # equal-size byte buffers (gloo's scatter needs equal sizes): pad, then trim on receipt
         chunks = [_padded_bytes(local_chunk(x.detach(), dim, parts, i), dim, sizes[0]).to(device) for i in range(parts)]
     padded_shape = shape[:dim] + (sizes[0],) + shape[dim + 1 :]
     buffer = torch.empty(padded_shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device)

@@ -126,8 +126,12 @@ class ForeachPlan:
         self._specs = [_spec(t) for _, ds, ss in self.groups for t in (*ds, *ss)]
 
     def stale(self) -> bool:
-        """Whether a tensor of the plan changed device, dtype or shape in place since it was built (e.g.
-        ``model.half()`` keeps the parameter objects but swaps their data): its groups no longer fit."""
+        """Whether a tensor of the plan changed device, dtype or shape in place since it was built.
+
+        Returns:
+            True when its groups no longer fit (e.g. ``model.half()`` keeps the parameter objects but swaps
+            their data).
+        """
         return [_spec(t) for _, ds, ss in self.groups for t in (*ds, *ss)] != self._specs
 
     def lerp_(self, weight: float) -> None:
@@ -203,8 +207,11 @@ class ShardedEMA:
         The per-call check (:meth:`LocalShards.matches`) sees replaced parameters and shards, not a parameter
         whose data changed dtype or device in place (``model.half()``, ``model.to(...)``); checking every
         tensor's dtype per call would cost more than the update, so such a change shows as the foreach kernel
-        failing. Only that failure is retried, after the plans are rebuilt from the model: any other error
-        (out of memory included) propagates as it is.
+        failing. Only that failure is retried, after the plans are rebuilt from the model.
+
+        Raises:
+            OutOfMemoryError: as raised (never retried).
+            RuntimeError: a failure while the plans are not stale, or the retry's.
         """
         self._sync(model, op)
         try:
@@ -234,6 +241,9 @@ class ShardedEMA:
 
         Works whatever state a forward left FSDP2 modules in: unsharded parameters are resharded first (on
         entry and on exit), so the next forward gathers the right shards.
+
+        Yields:
+            ``model``, holding the EMA weights.
         """
         with torch.no_grad():
             shards = self._sync(model, "swapped_into")
@@ -248,9 +258,13 @@ class ShardedEMA:
                 _compat.foreach_copy_(shards, backup)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """``{parameter name: EMA}``; DTensor parameters give DTensors with the parameter's mesh, placements
-        and global shape (sharing the EMA's memory), so ``torch.distributed.checkpoint`` saves and loads them
-        like the model, at any world size."""
+        """The EMA weights by parameter name, for ``torch.distributed.checkpoint``.
+
+        Returns:
+            ``{parameter name: EMA}``; DTensor parameters give DTensors with the parameter's mesh, placements
+            and global shape (sharing the EMA's memory), so DCP saves and loads them like the model, at any
+            world size.
+        """
         out = {}
         for name, ema, spec in zip(self.names, self._ema, self._specs):
             if spec is None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from loguru import logger
 
 if TYPE_CHECKING:
-    from loguru import Logger
+    from loguru import Logger, Record
 
 from wf_mesh.mesh import parallel_mesh_or_none
 
@@ -30,14 +30,22 @@ def rank_tag() -> str:
 
 
 def rank_logger() -> Logger:
-    """loguru's logger for this process, now: records bound with ``rank`` and ``coords``, messages prefixed with
-    :func:`rank_tag` (after loguru formatted them, so braces in the tag never meet ``str.format``)."""
+    """The logger for this process, now: loguru's, records bound with ``rank`` and ``coords``, messages prefixed
+    with :func:`rank_tag` (after loguru formatted them, so braces in the tag never meet ``str.format``).
+
+    Returns:
+        The bound (and patched, where there is a tag) loguru logger.
+    """
     mesh = parallel_mesh_or_none()
     bound = logger.bind(rank=dist.get_rank() if dist.is_initialized() else None, coords=mesh.coords() if mesh else None)
     tag = rank_tag()
     if not tag:
         return bound
-    return bound.patch(lambda record: record.update(message=f"{tag} {record['message']}"))
+
+    def prefix(record: Record) -> None:
+        record["message"] = f"{tag} {record['message']}"
+
+    return bound.patch(prefix)
 
 
 def _log(message: object) -> None:

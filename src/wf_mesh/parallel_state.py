@@ -62,6 +62,7 @@ AttributeError) until then and again once the mesh is destroyed; position-embedd
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import torch.distributed as dist
 
@@ -167,6 +168,10 @@ is_initialized = model_parallel_is_initialized
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
+@overload
+def _mesh(check_initialized: Literal[True]) -> ParallelMesh: ...
+@overload
+def _mesh(check_initialized: bool) -> ParallelMesh | None: ...
 def _mesh(check_initialized: bool) -> ParallelMesh | None:
     if not check_initialized:
         return parallel_mesh_or_none()
@@ -179,6 +184,10 @@ def _group(axis: str, check_initialized: bool = True) -> dist.ProcessGroup | Non
     return None if mesh is None else mesh.group(axis)
 
 
+@overload
+def _ranks(axis: str, check_initialized: Literal[True] = True) -> list[int]: ...
+@overload
+def _ranks(axis: str, check_initialized: bool) -> list[int] | None: ...
 def _ranks(axis: str, check_initialized: bool = True) -> list[int] | None:
     mesh = _mesh(check_initialized)
     return None if mesh is None else mesh.ranks(axis)
@@ -407,11 +416,16 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """True on the last pipeline stage; with ``ignore_virtual=False`` and virtual pipelining, only in the last
-    virtual stage."""
+    """Whether this rank is on the last pipeline stage.
+
+    Returns:
+        True on the last stage; with ``ignore_virtual=False`` and virtual pipelining, only in the last
+        virtual stage.
+    """
     if not ignore_virtual:
         stage = _virtual_stage(vp_stage)
-        if stage is not None and stage != _mp.state.vpp_world_size - 1:
+        vpp_world_size = _mp.state.vpp_world_size  # set whenever there is a virtual stage
+        if stage is not None and vpp_world_size is not None and stage != vpp_world_size - 1:
             return False
     return get_pp_rank() == get_pp_world_size() - 1
 
@@ -438,7 +452,11 @@ def _embedding_group(kind: str, check_initialized: bool) -> dist.ProcessGroup | 
 def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
     """The group of the stages holding the word embeddings (default: first and last) of this rank's pipeline.
 
-    LegacyStateError on a rank outside it (None with ``check_initialized=False``).
+    Returns:
+        The group (None with ``check_initialized=False`` on a rank outside it).
+
+    Raises:
+        LegacyStateError: this rank is outside it.
     """
     return _embedding_group("embedding", check_initialized)
 
@@ -446,14 +464,22 @@ def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | N
 def get_position_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
     """The group of the stages holding the position embeddings (default: the first) of this rank's pipeline.
 
-    LegacyStateError on a rank outside it (None with ``check_initialized=False``).
+    Returns:
+        The group (None with ``check_initialized=False`` on a rank outside it).
+
+    Raises:
+        LegacyStateError: this rank is outside it.
     """
     return _embedding_group("position_embedding", check_initialized)
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """True if this rank holds embeddings; with ``ignore_virtual=False``, the first (last) embedding rank only in
-    its first (last) virtual stage."""
+    """Whether this rank holds embeddings.
+
+    Returns:
+        True on an embedding rank; with ``ignore_virtual=False``, the first (last) embedding rank only in its
+        first (last) virtual stage.
+    """
     ranks = _mp.state.embedding_ranks
     rank = dist.get_rank() if dist.is_initialized() else 0
     if ranks is None or rank not in ranks:
@@ -484,7 +510,13 @@ def get_dp_group(
     """This rank's dp group (dp x cp, the FSDP axis, with ``with_context_parallel=True``).
 
     ``partial_data_parallel=True`` (needs cp) is the same dp x cp group: there is one optimizer instance.
-    ``independent_all_gather=True`` raises: no separate all-gather group is built.
+
+    Returns:
+        The group (None with ``check_initialized=False`` when nothing is initialized).
+
+    Raises:
+        LegacyStateError: ``independent_all_gather=True``: no separate all-gather group is built.
+        ValueError: ``partial_data_parallel=True`` without ``with_context_parallel=True``.
     """
     axis = _dp(with_context_parallel, partial_data_parallel)
     if with_context_parallel and independent_all_gather:
@@ -502,7 +534,9 @@ def get_dp_group_gloo(
 
     Created on the first call (both kinds at once) and destroyed with the mesh. That first call is collective
     over the whole world: every rank must make it (as in Megatron, where every rank builds them at init).
-    None with ``check_initialized=False`` when nothing is initialized.
+
+    Returns:
+        The Gloo group; None with ``check_initialized=False`` when nothing is initialized.
 
     Raises:
         LegacyStateError: ``create_gloo_process_groups=False`` was passed to initialize_model_parallel.
@@ -561,8 +595,11 @@ def get_tensor_and_data_parallel_group(
 def get_amax_reduction_group(
     with_context_parallel: bool = False, tp_only_amax_red: bool = False, *, check_initialized: bool = True
 ) -> dist.ProcessGroup | None:
-    """The FP8 amax-reduction group, as Megatron picks it: tp x dp (tp x cp x dp with ``with_context_parallel``);
-    with ``tp_only_amax_red=True``, tp (tp x cp)."""
+    """The FP8 amax-reduction group, as Megatron picks it.
+
+    Returns:
+        tp x dp (tp x cp x dp with ``with_context_parallel``); with ``tp_only_amax_red=True``, tp (tp x cp).
+    """
     if tp_only_amax_red:
         return get_tp_group(check_initialized, with_context_parallel)
     return get_tensor_and_data_parallel_group(check_initialized, with_context_parallel)

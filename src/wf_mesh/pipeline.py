@@ -89,11 +89,20 @@ class P2PWork:
         self.work = work
 
     def wait(self) -> bool:
+        """Block until the op completed; True (torch's ``Work.wait`` contract)."""
         _wait_once(self.work)
         return True
 
     def is_completed(self) -> bool:
+        """Whether the op completed (does not block)."""
         return self.work.is_completed()
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """The handle torch returned for a point-to-point op (None only for a rank outside the group: never a link)."""
+    if work is None:
+        raise RuntimeError("a point-to-point op on the pp group returned no work: this rank is not in the group")
+    return work
 
 
 def _wait_once(work: dist.Work) -> None:
@@ -122,16 +131,26 @@ class PendingRecv:
         self._error: str | None = None
 
     def check(self) -> None:
-        """Checked mode: wait for the header; on a mismatch, drain the payload and raise ValueError."""
-        if self.work is None:
-            self._headers.settle(self)
+        """Checked mode: wait for the header; on a mismatch, drain the payload and raise ValueError.
+
+        Raises:
+            ValueError: the sender's shape or dtype differ from the buffer's.
+        """
+        work = self.payload_work()
         if self._error is not None:
-            _wait_once(self.work)
+            _wait_once(work)
             raise ValueError(self._error)
 
+    def payload_work(self) -> dist.Work:
+        """The handle torch returned for the payload receive (checked mode: posted once the header is settled)."""
+        if self.work is None and self._headers is not None:
+            self._headers.settle(self)
+        return _posted(self.work)
+
     def wait(self) -> torch.Tensor:
+        """Wait until ``tensor`` is filled and return it (checked mode: ValueError on a mismatch, see :meth:`check`)."""
         self.check()
-        _wait_once(self.work)
+        _wait_once(self.payload_work())
         return self.tensor
 
 
@@ -162,15 +181,25 @@ class _Headers:
             self.settle(pending)
 
     def settle(self, pending: PendingRecv) -> None:
-        pending._header_work.wait()
+        header, header_work = pending._header, pending._header_work
+        if header is None or header_work is None:
+            raise RuntimeError("a checked receive is settled before its header receive was posted")
+        header_work.wait()
         if self.unsettled.get(pending._src) is pending:
             del self.unsettled[pending._src]
-        target, pending._error = self.verify(pending._header, pending.tensor, pending._src)
+        target, pending._error = self.verify(header, pending.tensor, pending._src)
         pending.work = dist.irecv(target, group=self.link.group, group_src=pending._src)
 
     def verify(self, header: torch.Tensor, buffer: torch.Tensor, src: int) -> tuple[torch.Tensor, str | None]:
-        """``(where the payload goes, error or None)``: ``buffer`` if the header matches it, else a scratch
-        buffer of the sender's dtype and shape (the payload is drained so the link stays in step)."""
+        """Where the payload of ``header`` goes, and what is wrong with it.
+
+        Returns:
+            ``(buffer, None)`` if the header matches ``buffer``, else a scratch buffer of the sender's dtype and
+            shape (the payload is drained so the link stays in step) and the error message.
+
+        Raises:
+            ValueError: what arrived is not a checked-mode header.
+        """
         link = self.link
         sent = agreement.read_header(header, _HEADER, _PayloadHeader)
         if sent is None:
@@ -227,10 +256,12 @@ class PipelineP2P:
 
     @property
     def is_first(self) -> bool:
+        """Whether this rank is the first pipeline stage."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
+        """Whether this rank is the last pipeline stage."""
         return self.stage == self.num_stages - 1
 
     def __repr__(self) -> str:
@@ -241,15 +272,18 @@ class PipelineP2P:
 
     # ---- sends --------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, *, peer: Peer = "next") -> P2PWork:
-        """Start sending ``tensor`` to the ``"next"`` (default) or ``"prev"`` stage; returns its handle.
+        """Start sending ``tensor`` to the ``"next"`` (default) or ``"prev"`` stage.
 
         No copy is made when ``tensor`` is contiguous: do not modify it until the handle's ``wait()`` returns.
+
+        Returns:
+            The send's handle (it may be dropped: the link keeps the work alive).
         """
         group_dst = self._peer(peer, "send")
         tensor = self._check_tensor(tensor, "send").contiguous()
         if self._headers is not None:
-            self._track(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst))
-        work = dist.isend(tensor, group=self.group, group_dst=group_dst)
+            self._track(_posted(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst)))
+        work = _posted(dist.isend(tensor, group=self.group, group_dst=group_dst))
         self._track(work)
         return P2PWork(work)
 
@@ -266,6 +300,9 @@ class PipelineP2P:
         checked mode, posting a receive first waits for the header of the previous one from the same stage
         (one receive per neighbour can be pre-posted ahead of its sender), and the returned
         :class:`PendingRecv` raises ValueError from ``wait()`` if the sender's shape or dtype differ.
+
+        Returns:
+            The posted receive; its ``wait()`` returns the tensor.
         """
         return self.irecv_into(torch.empty(shape, dtype=dtype, device=self.device), peer=peer)
 
@@ -297,12 +334,16 @@ class PipelineP2P:
         """Send to and receive from both neighbours in one batch (``batch_isend_irecv``: no deadlock, also
         when pp=2 makes next and prev the same rank); blocks until all completed.
 
-        ``recv_prev`` / ``recv_next`` are ``(shape, dtype)``. Returns ``(from_prev, from_next)`` (None where
-        nothing was asked). Neighbours must make matching calls (a ``send_next`` meets a ``recv_prev``).
-        On NCCL, the first batched call on the pp group must include every stage.
+        ``recv_prev`` / ``recv_next`` are ``(shape, dtype)``. Neighbours must make matching calls (a
+        ``send_next`` meets a ``recv_prev``). On NCCL, the first batched call on the pp group must include
+        every stage.
+
+        Returns:
+            ``(from_prev, from_next)``, None where nothing was asked.
 
         Raises:
-            ValueError (checked mode): a received shape or dtype differs (payloads are drained first).
+            ValueError: (checked mode) a received shape or dtype differs (payloads are drained first), or
+                nothing was asked.
         """
         sends = [(t, self._peer(p, "send")) for p, t in (("next", send_next), ("prev", send_prev)) if t is not None]
         recvs = [
@@ -375,8 +416,8 @@ def build_pipeline_stage(
     device: torch.device | None = None,
     **stage_kwargs: Any,
 ) -> PipelineStage:
-    """This rank's ``torch.distributed.pipelining.PipelineStage``: stage index = pp rank, stage count = pp
-    size, group = the pp group of ``mesh`` (default: the current mesh).
+    """Build this rank's ``torch.distributed.pipelining.PipelineStage``: stage index = pp rank, stage count =
+    pp size, group = the pp group of ``mesh`` (default: the current mesh).
 
     ``module`` is this stage's part of the model, already on ``device`` (default: the mesh's device, the
     current CUDA device on NCCL). ``stage_kwargs`` go to ``PipelineStage`` (``input_args``, ``output_args``,
@@ -387,6 +428,9 @@ def build_pipeline_stage(
         if stage.is_first: schedule.step(x)
         elif stage.is_last: schedule.step(target=y, losses=losses)
         else: schedule.step()
+
+    Returns:
+        The stage, for a torch schedule.
     """
     from torch.distributed.pipelining import PipelineStage
 

@@ -150,8 +150,12 @@ class ProcessTree:
         return sorted(found)
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the command to exit and its output to be passed on; its exit code. Processes of the tree
-        still running then (orphans holding on) are stopped."""
+        """Wait for the command to exit and its output to be passed on. Processes of the tree still running
+        then (orphans holding on) are stopped.
+
+        Returns:
+            The command's exit code.
+        """
         code = self.proc.wait(timeout)
         if self.members():
             self.stop(grace=1.0, quiet=False)
@@ -160,8 +164,13 @@ class ProcessTree:
         return code
 
     def stop(self, grace: float = 3.0, *, quiet: bool = True) -> int:
-        """Stop every process of the tree (SIGTERM, then SIGKILL after ``grace`` s); how many there were.
-        ``quiet``: drop the tree's output from now on (an interrupted run's tracebacks)."""
+        """Stop every process of the tree (SIGTERM, then SIGKILL after ``grace`` s).
+
+        ``quiet``: drop the tree's output from now on (an interrupted run's tracebacks).
+
+        Returns:
+            How many processes there were.
+        """
         self.quiet = self.quiet or quiet
         victims: set[int] = set()
         with _signals_ignored():  # a second Ctrl-C must not interrupt the clean-up

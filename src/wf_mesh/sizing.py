@@ -29,8 +29,11 @@ def chunk_range(length: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def split_range(length: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, stop)`` of block ``index`` in ``torch.tensor_split`` sizing: blocks whose sizes differ by at most
-    one, the larger ones first (the first ``length % parts`` blocks get one more item).
+    """Where block ``index`` lies in ``torch.tensor_split`` sizing: blocks whose sizes differ by at most one,
+    the larger ones first (the first ``length % parts`` blocks get one more item).
+
+    Returns:
+        ``(start, stop)`` of the block.
 
     >>> [split_range(7, 3, i) for i in range(3)]
     [(0, 3), (3, 5), (5, 7)]

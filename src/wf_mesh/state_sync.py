@@ -51,8 +51,15 @@ def _model_states(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def plan_buckets(tensors: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[int]]:
-    """Indices of ``tensors`` grouped into buckets: one (device, dtype) per bucket, in order, each holding at
-    most ``bucket_bytes`` (a larger tensor is a bucket of its own). Empty tensors are left out. Pure."""
+    """Group ``tensors`` into buckets: one (device, dtype) per bucket, in order, each holding at most
+    ``bucket_bytes`` (a larger tensor is a bucket of its own). Empty tensors are left out. Pure.
+
+    Returns:
+        The indices into ``tensors`` of each bucket, in order.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1.
+    """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
     open_buckets: dict[tuple, tuple[list[int], list[int]]] = {}  # key -> (indices, [bytes])
@@ -93,10 +100,11 @@ def _replica_problem(name: str, tensor: DTensor, replicas: list[int], given: str
     key = (id(mesh), placements)
     if key not in memo:
         grid, coords = mesh.mesh, mesh.get_coordinate()
+        assert coords is not None, "this rank holds the DTensor, so it is on its mesh"
         same = torch.ones_like(grid, dtype=torch.bool)  # ranks that hold the same local data as this one
         for dim, placement in enumerate(placements):
             if not isinstance(placement, Replicate):
-                index = [slice(None)] * grid.ndim
+                index: list[slice | int] = [slice(None)] * grid.ndim
                 index[dim] = coords[dim]
                 mask = torch.zeros_like(same)
                 mask[tuple(index)] = True

@@ -217,6 +217,7 @@ class LocalCluster:
 
     @property
     def alive(self) -> bool:
+        """Whether every worker process is running."""
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> LocalCluster:
@@ -276,8 +277,15 @@ class LocalCluster:
 
         ``fn`` must be importable by the workers (a module-level function). If any rank raised, re-raise the
         exception of the rank that raised first, or, with ``return_exceptions=True``, return each rank's
-        exception in place of its result. TimeoutError if no rank raised and one did not finish in
-        ``timeout`` seconds (default: the cluster's).
+        exception in place of its result.
+
+        Returns:
+            The per-rank results, in rank order.
+
+        Raises:
+            TimeoutError: no rank raised and one did not finish in ``timeout`` seconds (default: the
+                cluster's).
+            RuntimeError: a worker died.
         """
         _check_importable(fn)
         if not self.alive:
@@ -324,9 +332,16 @@ class LocalCluster:
         raise outcomes[errors[0][1]]
 
     def _collect(self, timeout: float, what: str, grace: float | None) -> list[Any]:
-        """One reply per rank (None where none came). Without an error reply: a hang raises TimeoutError, a
-        dead worker RuntimeError, and the cluster stops (restarted on the next call). Once a rank has sent
-        an error, the others get ``grace`` seconds; those still running then are stopped and left None."""
+        """Collect the ranks' replies. Once a rank has sent an error, the others get ``grace`` seconds; those
+        still running then are stopped and left None.
+
+        Returns:
+            One reply per rank (None where none came).
+
+        Raises:
+            TimeoutError: (without an error reply) a hang; the cluster stops (restarted on the next call).
+            RuntimeError: (without an error reply) a dead worker; the cluster stops likewise.
+        """
         replies: list[Any] = [None] * self.world_size
         pending = dict(enumerate(self._conns))
         deadline = time.monotonic() + timeout
@@ -373,9 +388,11 @@ def get_cluster(world_size: int) -> LocalCluster:
 def run_distributed(
     world_size: int, fn: Callable[..., Any], *args: Any, return_exceptions: bool = False, **kwargs: Any
 ) -> list[Any]:
-    """Run ``fn`` on every rank of the shared ``world_size`` cluster; per-rank results in rank order.
+    """Run ``fn`` on every rank of the shared ``world_size`` cluster (see :meth:`LocalCluster.run`).
 
-    ``return_exceptions=True``: a rank that raised gives its exception object instead of a result.
+    Returns:
+        The per-rank results in rank order; with ``return_exceptions=True`` a rank that raised gives its
+        exception object instead of a result.
     """
     return get_cluster(world_size).run(fn, *args, return_exceptions=return_exceptions, **kwargs)
 
@@ -392,9 +409,12 @@ atexit.register(shutdown_clusters)
 
 # ---- observing process groups and c10d ops (tests and benchmarks) ---------------------------------------
 def process_group_counts() -> tuple[int, int]:
-    """``(process groups this rank holds, new_group calls made so far in this process)``.
+    """Count the process groups this rank holds and the ``new_group`` calls this process made.
 
     Non-member ``new_group`` calls create no group on this rank but still advance torch's group counter.
+
+    Returns:
+        ``(process groups this rank holds, new_group calls made so far in this process)``.
     """
     from wf_mesh import _compat
 
@@ -430,7 +450,7 @@ def c10d_ops(on_op: Callable[[str, tuple], None]) -> Any:
     """
     from wf_mesh import _compat
 
-    class C10dOps(_compat.dispatch_mode()):
+    class C10dOps(_compat.dispatch_mode()):  # type: ignore[misc]  # torch's base class, found at run time
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 on_op(str(func).split(".")[1], args)

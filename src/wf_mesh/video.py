@@ -44,6 +44,7 @@ class VideoSplit:
 
     @property
     def cp_size(self) -> int:
+        """The ranks the latent is split over (``cp_t * cp_h``)."""
         return self.cp_t * self.cp_h
 
     @property
@@ -53,6 +54,7 @@ class VideoSplit:
 
     @property
     def local_tokens(self) -> int:
+        """The tokens of one rank's shard (``T' * H' * W``)."""
         t, h, w = self.local_thw
         return t * h * w
 
@@ -93,7 +95,9 @@ class VideoSplit:
     ) -> torch.Tensor:
         """This cp rank's tokens ``(B, T'*H'*W, C)``: a slice of the latent, no collective, no full copy.
 
-        ``as_dtensor=True`` returns them as a DTensor ``Shard(1)`` of the global ``(B, T*H*W, C)`` sequence.
+        Returns:
+            The tokens; with ``as_dtensor=True`` a DTensor ``Shard(1)`` of the global ``(B, T*H*W, C)``
+            sequence.
         """
         self._check(latent.shape, 2, "shard")
         mesh = self._mesh(mesh)
@@ -130,6 +134,9 @@ def plan_video_split(
 
     Walking T then H with ``remaining = cp_size``: ``g = gcd(size // patch, remaining)`` ranks split that dim
     and ``remaining //= g``; width is never split. Pure: no collective, no global state.
+
+    Returns:
+        The plan: the latent's ``(t, h, w)`` and the ranks that split T and H (``cp_t``, ``cp_h``).
 
     Raises:
         TypeError: a size, ``cp_size`` or patch value that is not an int.

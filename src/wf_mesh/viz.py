@@ -81,7 +81,11 @@ def format_table(
         rule: a line of dashes under the header.
         indent: text before every line.
 
-    Trailing spaces are stripped from every line.
+    Returns:
+        The table's lines joined by newlines; trailing spaces are stripped from every line.
+
+    Raises:
+        ValueError: an ``align`` letter other than ``"l"`` or ``"r"``.
 
     >>> print(format_table(["name", "n"], [["a", 1], ["bb", 22]], align="lr"))
     name   n
@@ -128,8 +132,12 @@ def _run_parts(start: int, count: int, step: int) -> Iterator[Part]:
 
 
 def _join(parts: Iterator[Part], total: int, last: Part, max_parts: int) -> str:
-    """``[a,b,...]`` of at most ``max_parts`` parts; a cut list keeps the first ``max_parts - 1`` parts and the
-    last one, and says how many ranks it left out between them."""
+    """Join ``parts`` as ``[a,b,...]`` of at most ``max_parts`` parts.
+
+    Returns:
+        The list text; a cut list keeps the first ``max_parts - 1`` parts and the last one, and says how many
+        ranks it left out between them.
+    """
     shown = list(itertools.islice(parts, max(max_parts, 2) + 1))
     if len(shown) <= max(max_parts, 2):
         return "[" + ",".join(text for text, _ in shown) + "]"
@@ -141,8 +149,9 @@ def _join(parts: Iterator[Part], total: int, last: Part, max_parts: int) -> str:
 def format_ranks(ranks: Sequence[int], *, max_ranks: int = 16) -> str:
     """Compact rank list: runs of 3+ consecutive ranks as ``a-b``, e.g. ``[0-3,8,9]``.
 
-    More than ``max_ranks`` entries (a run counts as one) keeps the first ``max_ranks - 1`` and the last, and
-    says how many ranks are left out between them: ``[0,2,4,(16 more),38]``.
+    Returns:
+        The text; more than ``max_ranks`` entries (a run counts as one) keep the first ``max_ranks - 1`` and
+        the last, and say how many ranks are left out between them: ``[0,2,4,(16 more),38]``.
     """
     ranks = list(ranks)
     if not ranks:
@@ -194,10 +203,15 @@ def _in_use(dims: ParallelDims, axis: str) -> set[str]:
 
 
 def _group_layout(dims: ParallelDims, axis: str, index: int) -> tuple[int, list[tuple[int, int]]]:
-    """Group ``index`` of ``axis`` as (first rank, [(size, stride), ...] of its member axes, fastest first,
-    adjacent axes merged): pure arithmetic, whatever the group's size (``dims.group`` lists every member)."""
+    """The layout of group ``index`` of ``axis``: pure arithmetic, whatever the group's size (``dims.group``
+    lists every member).
+
+    Returns:
+        ``(first rank, [(size, stride), ...] of its member axes)``, fastest first, adjacent axes merged.
+    """
     members = _member_names(dims, axis)
-    base, inner = 0, []
+    base = 0
+    inner: list[tuple[int, int]] = []
     for atom in _atoms(dims):
         if atom.name in members:
             if atom.size > 1:
@@ -238,8 +252,12 @@ def _format_group(dims: ParallelDims, axis: str, index: int, max_ranks: int) -> 
 
 # ---- layout helpers ---------------------------------------------------------------------------------
 def _side_by_side(labels: list[str], blocks: list[list[str]], width: int) -> list[str]:
-    """Blocks (lists of lines, all as long as ``labels``) left to right, in rows of at most ``width``
-    characters; each row of blocks starts with the ``labels`` column."""
+    """Lay out blocks (lists of lines, all as long as ``labels``) left to right.
+
+    Returns:
+        The lines, in rows of at most ``width`` characters; each row of blocks starts with the ``labels``
+        column.
+    """
     lw = max(map(len, labels), default=0)
     prefix = lw + 2 if lw else 0
     rows: list[list[list[str]]] = []
@@ -388,6 +406,7 @@ class TopologyView:
 
     @property
     def cut(self) -> bool:
+        """Whether the grid shows fewer rows or columns than the mesh has."""
         return (self.shown_rows, self.shown_cols) != (self.nrows, self.ncols)
 
     def _row_label(self, row: int) -> str:
@@ -447,7 +466,9 @@ class TopologyView:
 
     def _group_rows(self) -> list[list[str]]:
         """Per listed axis: name, groups, size, the first groups (as many as fit), a note."""
-        rows, seen = [], {}
+        rows: list[list[str]] = []
+        counts: list[int] = []
+        seen: dict[frozenset[str], str] = {}
         fsdp = _in_use(self.dims, FSDP_AXIS)  # FSDP's note goes on the listed axis of its members in use
         fsdp_axis = next((a for a in self.listed if a in DERIVED_AXES and _in_use(self.dims, a) == fsdp), None)
         for axis in self.listed:
@@ -459,16 +480,17 @@ class TopologyView:
             if key in seen and len(self.listed) > 1:
                 notes.append(f"= {seen[key]}")
             seen.setdefault(key, axis)
-            rows.append([axis, str(n), str(size), f"  ({'; '.join(notes)})" if notes else "", n])
+            rows.append([axis, str(n), str(size), f"  ({'; '.join(notes)})" if notes else ""])
+            counts.append(n)
         name_w = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(["axis", "groups", "size"]))
         out = []
-        for axis, n, size, note, count in rows:
+        for (axis, groups, degree, note), count in zip(rows, counts):
             room = self.width - name_w - len(note)
             parts = self._listing(axis, count, room)
             if len(parts) < count:  # cut: make room for the "(N more)" that says so
                 parts = self._listing(axis, count, room - len(f" ({count} more)"))
             listing = " ".join(parts) + (f" ({count - len(parts)} more)" if count > len(parts) else "")
-            out.append([axis, n, size, listing + note])
+            out.append([axis, groups, degree, listing + note])
         return out
 
     def _listing(self, axis: str, count: int, budget: int) -> list[str]:
@@ -516,7 +538,7 @@ class TopologyView:
     def _td(self, rank: int, axis: str | None, group: int | None) -> str:
         title = self._title(rank) + (f", {axis} group {group}" if axis else "")
         me = ' class="me"' if rank == self.highlight else ""
-        style = f' style="{_cell_style(group)}"' if axis else ""
+        style = f' style="{_cell_style(group)}"' if axis and group is not None else ""
         text = f"{rank}*" if rank == self.highlight else str(rank)
         return f'<td{me}{style} title="{html.escape(title)}">{text}</td>'
 
@@ -533,7 +555,7 @@ class TopologyView:
         )
         tables = []
         for axis in self.axes or (None,):
-            ids = self.group_ids(axis) if axis else [[None] * len(grid[0])] * len(grid)
+            ids: Sequence[Sequence[int | None]] = self.group_ids(axis) if axis else [[None] * len(grid[0])] * len(grid)
             rows = [
                 f"<tr><th>{html.escape(self._row_label(r))}</th>"
                 + "".join(self._td(rank, axis, g) for rank, g in zip(row, row_ids))
@@ -606,7 +628,14 @@ def _spec(placement: Any) -> PlacementSpec:
 
 def parse_placement(placement: Any) -> Any:
     """A torch Shard / Replicate / Partial placement from itself or a short form: ``"S(2)"`` (``"Shard(2)"``),
-    ``"R"``, ``"P"`` (sum) or ``"P(avg)"``. ValueError for anything else (e.g. ``_StridedShard``). Imports torch."""
+    ``"R"``, ``"P"`` (sum) or ``"P(avg)"``. Imports torch.
+
+    Returns:
+        The placement.
+
+    Raises:
+        ValueError: anything else (e.g. ``_StridedShard``).
+    """
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     spec = _spec(placement)
@@ -627,6 +656,7 @@ class RankSlice(NamedTuple):
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's shard."""
         return tuple(stop - start for start, stop in self.ranges)
 
 
@@ -646,10 +676,12 @@ class PlacementView:
     def __init__(
         self, dtensor: Any, *, dim_names: Sequence[str] | None = None, highlight: int | None = None, max_rows: int = 32
     ) -> None:
-        DTensor = None
+        is_dtensor = False
         if "torch" in sys.modules:  # a DTensor exists only once torch is imported
             from torch.distributed.tensor import DTensor
-        if DTensor is None or not isinstance(dtensor, DTensor):
+
+            is_dtensor = isinstance(dtensor, DTensor)
+        if not is_dtensor:
             raise TypeError(f"PlacementView needs a DTensor, got {type(dtensor).__name__}; use PlacementView.plan(...)")
         import torch.distributed as dist
 
@@ -683,7 +715,14 @@ class PlacementView:
     ) -> PlacementView:
         """The view of a tensor of ``shape`` placed on a mesh of ``mesh_shape`` (global ranks ``ranks``: nested
         lists or a tensor of that shape, default ``0..N-1`` row-major) with one placement per mesh axis (torch
-        placements or the short forms ``"S(d)"``, ``"R"``, ``"P"``). Pure."""
+        placements or the short forms ``"S(d)"``, ``"R"``, ``"P"``). Pure.
+
+        Returns:
+            The view.
+
+        Raises:
+            ValueError: placements, mesh shape and ranks that do not fit each other or the tensor.
+        """
         mesh_shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(int(s) for s in mesh_shape)
         flat = None
         if ranks is not None:

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from wf_mesh import agreement
 from wf_mesh.collectives import broadcast, pickle_allowed
@@ -60,14 +61,21 @@ register_extension("legacy.context_parallel", _reset)
 
 
 def cp_size_t() -> int | None:
-    """The temporal share of the CP degree the last :func:`find_split` planned (None: none since the mesh
-    was last destroyed); ``wf_mesh.parallel_state.cp_size_t`` reads it."""
+    """The temporal share of the CP degree the last :func:`find_split` planned (``parallel_state.cp_size_t``).
+
+    Returns:
+        The ranks that split T, or None: no split planned since the mesh was last destroyed.
+    """
     return state.cp_size_t
 
 
 def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
-    """The 1-D DeviceMesh over ``group``: the current mesh's ``cp`` axis when ``group`` is its cp group,
-    else a mesh built once per group (``DeviceMesh.from_group``) and cached until the mesh is destroyed."""
+    """The 1-D DeviceMesh over ``group``.
+
+    Returns:
+        The current mesh's ``cp`` axis when ``group`` is its cp group, else a mesh built once per group
+        (``DeviceMesh.from_group``) and cached until the mesh is destroyed.
+    """
     current = parallel_mesh_or_none()
     if current is not None and group is current.group("cp"):
         return current["cp"]
@@ -77,8 +85,9 @@ def mesh_for_group(group: dist.ProcessGroup) -> DeviceMesh:
     return state.group_meshes[name]
 
 
-def _off(group: dist.ProcessGroup | None) -> bool:
-    return group is None or dist.get_world_size(group) == 1
+def _active(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` if it spans more than one rank, else None (parallelism off: the helpers return their input)."""
+    return None if group is None or dist.get_world_size(group) == 1 else group
 
 
 def _check_divisible(length: int, seq_dim: int, parts: int, what: str) -> None:
@@ -91,14 +100,20 @@ def _check_divisible(length: int, seq_dim: int, parts: int, what: str) -> None:
 def split_inputs_cp(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's contiguous block of ``x`` along ``seq_dim`` (block r for group rank r); no collective.
 
-    Returns a NEW tensor, never a view of ``x`` (in-place updates of the shard leave ``x`` alone; the native
-    ``shard_sequence`` returns a view). ``cp_group=None`` or a one-rank group returns ``x`` itself. The
-    length must divide evenly: LegacyIndivisibleSequenceError (an AssertionError and a ValueError) names the
-    length, dim and cp size. Not idempotent: splitting a split tensor shrinks it again.
+    Not idempotent: splitting a split tensor shrinks it again.
+
+    Returns:
+        A NEW tensor, never a view of ``x`` (in-place updates of the shard leave ``x`` alone; the native
+        ``shard_sequence`` returns a view); ``x`` itself for ``cp_group=None`` or a one-rank group.
+
+    Raises:
+        LegacyIndivisibleSequenceError: (an AssertionError and a ValueError) the length does not divide
+            evenly (the message names the length, dim and cp size).
     """
-    if _off(cp_group):
+    group = _active(cp_group)
+    if group is None:
         return x
-    mesh = mesh_for_group(cp_group)
+    mesh = mesh_for_group(group)
     _check_divisible(x.shape[normalize_dim(seq_dim, x.ndim)], seq_dim, mesh.size(), "split_inputs_cp")
     return shard_sequence(x, seq_dim, mesh=mesh).clone(memory_format=torch.contiguous_format)
 
@@ -115,40 +130,56 @@ def _cat(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup) -> torch.Te
 def cat_outputs_cp(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``seq_dim`` in group-rank order; the result carries no gradient.
 
-    ``cp_group=None`` or a one-rank group returns ``x`` itself. Shards whose dtype or other dims differ
-    across ranks, or whose lengths are not torch.chunk shards of their sum, raise ShapeMismatchError (a
-    RuntimeError and a ValueError) on every rank; a failed collective raises
-    ``RuntimeError("Failed to gather tensors")`` chained to its cause.
+    Returns:
+        The concatenation; ``x`` itself for ``cp_group=None`` or a one-rank group.
+
+    Raises:
+        ShapeMismatchError: (a RuntimeError and a ValueError, on every rank) shards whose dtype or other dims
+            differ across ranks, or whose lengths are not torch.chunk shards of their sum.
+        RuntimeError: ``"Failed to gather tensors"``, chained to the failed collective's error.
     """
-    if _off(cp_group):
+    group = _active(cp_group)
+    if group is None:
         return x
-    return _cat(x.detach(), seq_dim, cp_group)
+    return _cat(x.detach(), seq_dim, group)
 
 
 def cat_outputs_cp_with_grad(x: torch.Tensor, seq_dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """:func:`cat_outputs_cp` whose result keeps this rank's autograd graph: the gradient of ``x`` is this
-    rank's slice of the upstream gradient (no collective in backward; ``grad="replicate"``)."""
-    if _off(cp_group):
+    """:func:`cat_outputs_cp` whose result keeps this rank's autograd graph.
+
+    Returns:
+        The concatenation; the gradient of ``x`` is this rank's slice of the upstream gradient (no
+        collective in backward; ``grad="replicate"``).
+    """
+    group = _active(cp_group)
+    if group is None:
         return x
-    return _cat(x, seq_dim, cp_group)
+    return _cat(x, seq_dim, group)
 
 
 def broadcast_split_tensor(
     tensor: torch.Tensor | None, seq_dim: int, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor | None:
-    """The group's first rank's ``tensor``, reaching every rank as that rank's CP shard along ``seq_dim``.
+    """Scatter the group's first rank's ``tensor``: every rank gets its CP shard along ``seq_dim``.
 
-    Each rank receives only its shard (a scatter), not the whole tensor. Receivers may pass None; when the
-    source passes None every rank gets None. ``process_group=None`` or a one-rank group returns ``tensor``
-    itself. The length must divide evenly by the group size (IndivisibleSequenceError on every rank).
+    Each rank receives only its shard (a scatter), not the whole tensor. Receivers may pass None.
+
+    Returns:
+        This rank's shard; None when the source passes None; ``tensor`` itself for ``process_group=None``
+        or a one-rank group.
+
+    Raises:
+        LegacyIndivisibleSequenceError: (on every rank) the length does not divide evenly by the group size.
     """
-    if _off(process_group):
+    group = _active(process_group)
+    if group is None:
         return tensor
-    shard = broadcast_shard(tensor, seq_dim, mesh=mesh_for_group(process_group), as_dtensor=True)
+    shard = broadcast_shard(tensor, seq_dim, mesh=mesh_for_group(group), as_dtensor=True)
     if shard is None:
         return None
-    dim = shard.placements[0].dim
-    _check_divisible(shard.shape[dim], seq_dim, dist.get_world_size(process_group), "broadcast_split_tensor")
+    assert isinstance(shard, DTensor), "broadcast_shard(as_dtensor=True) gives a DTensor"
+    dim = seq_dim % shard.ndim  # broadcast_shard checked the range; its placement is Shard(dim)
+    _check_divisible(shard.shape[dim], seq_dim, dist.get_world_size(group), "broadcast_split_tensor")
     return shard.to_local()
 
 
@@ -158,14 +189,18 @@ def find_split(
     patch_values: tuple[int, int, int] = (1, 2, 2),
     view_factor: int = 1,
 ) -> torch.Size:
-    """Per-rank ``(T', H', W)`` of a ``(B, C, T, H, W)`` latent split over ``cp_size`` ranks, time first
+    """Plan the split of a ``(B, C, T, H, W)`` latent over ``cp_size`` ranks, time first
     (:func:`~wf_mesh.plan_video_split` of the per-view latent, T // view_factor).
 
     Side effect (Megatron-compatible): ``wf_mesh.parallel_state.cp_size_t`` becomes the ranks that split T
     (:func:`cp_size_t`) until the mesh is destroyed (or ``destroy_model_parallel`` is called).
 
+    Returns:
+        The per-rank ``(T', H', W)``.
+
     Raises:
-        LegacyIndivisibleSequenceError (an AssertionError and a ValueError): T does not divide by view_factor.
+        ValueError: not a 5-D shape, or a size that is not a positive int.
+        LegacyIndivisibleSequenceError: (an AssertionError and a ValueError) T does not divide by view_factor.
 
     >>> find_split((1, 16, 24, 88, 160), 16)
     torch.Size([3, 44, 160])
@@ -188,7 +223,7 @@ __all__ += ["cat_outputs_cp_object_list", "robust_broadcast", "split_inputs_cp_o
 
 def robust_broadcast(
     tensor: torch.Tensor | None, src: int, pg: dist.ProcessGroup | None = None, is_check_shape: bool = False
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """The original's tensor broadcast from global rank ``src`` over ``pg``, on :func:`wf_mesh.broadcast`.
 
     Receivers may pass None or a tensor of any shape with the source's ndim and dtype (ShapeMismatchError on
@@ -196,10 +231,18 @@ def robust_broadcast(
     (the source's tensor may live on any device). ``pg=None`` is the default group; a one-rank group returns
     the tensor moved to its device.
 
-    ``src`` must be the group's first (smallest) rank, the one source the native broadcast has: any other
-    member raises NotImplementedError (on every rank, as every rank passes the same ``src``), a non-member
-    ValueError. ``is_check_shape`` is accepted and ignored: ndim and dtype are always agreed on.
-    Without torch.distributed the tensor comes back as is.
+    ``src`` must be the group's first (smallest) rank, the one source the native broadcast has.
+    ``is_check_shape`` is accepted and ignored: ndim and dtype are always agreed on.
+
+    Returns:
+        The source's tensor on the group's device; without torch.distributed ``tensor`` as is.
+
+    Raises:
+        NotImplementedError: (on every rank, as every rank passes the same ``src``) ``src`` is a member
+            other than the first.
+        ValueError: ``src`` is not a member.
+        TypeError: the source passed something else than a tensor.
+        ShapeMismatchError: a receiver's tensor differs from the source's in ndim or dtype.
     """
     if not dist.is_initialized():
         return tensor
@@ -224,15 +267,22 @@ def split_inputs_cp_object_list(object_list: list, cp_group: dist.ProcessGroup |
 
     Any length works: with ``n`` items on ``k`` ranks, the first ``n % k`` ranks get ``n // k + 1`` items and the
     others ``n // k`` (ranks past the end get an empty list), so :func:`cat_outputs_cp_object_list` puts the
-    list back together in order. A divisible length gives the original's equal blocks. ``cp_group=None`` or a
-    one-rank group returns ``object_list`` itself; otherwise a slice of it (same sequence type).
+    list back together in order. A divisible length gives the original's equal blocks.
+
+    Returns:
+        A slice of ``object_list`` (same sequence type); ``object_list`` itself for ``cp_group=None`` or a
+        one-rank group.
+
+    Raises:
+        ValueError: this rank is not a member of ``cp_group``.
     """
-    if _off(cp_group):
+    group = _active(cp_group)
+    if group is None:
         return object_list
-    rank = dist.get_rank(cp_group)
+    rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"split_inputs_cp_object_list: rank {dist.get_rank()} is not a member of cp_group")
-    start, stop = split_range(len(object_list), dist.get_world_size(cp_group), rank)
+    start, stop = split_range(len(object_list), dist.get_world_size(group), rank)
     return object_list[start:stop]
 
 
@@ -246,13 +296,19 @@ def cat_outputs_cp_object_list(
 ) -> list:
     """Every rank's list concatenated in group-rank order (ranks may hold different lengths, also zero).
 
-    ``cp_group=None`` or a one-rank group returns ``object_list`` itself. The items travel pickled
-    (``all_gather_object``), so every rank must allow pickle (``allow_pickle``, default the environment's
-    ``WF_MESH_ALLOW_PICKLE``): one refusing rank makes every rank raise TypeError before anything is pickled.
-    A value that is not a list or tuple: TypeError on every rank. A failed gather raises
-    ``RuntimeError("Failed to gather objects")`` chained to its cause.
+    The items travel pickled (``all_gather_object``), so every rank must allow pickle (``allow_pickle``,
+    default the environment's ``WF_MESH_ALLOW_PICKLE``).
+
+    Returns:
+        The concatenated list; ``object_list`` itself for ``cp_group=None`` or a one-rank group.
+
+    Raises:
+        TypeError: (on every rank, before anything is pickled) a rank refuses pickle, or passed something
+            else than a list or tuple.
+        RuntimeError: ``"Failed to gather objects"``, chained to the failed gather's error.
     """
-    if _off(cp_group):
+    group = _active(cp_group)
+    if group is None:
         return object_list
     pickle_ok = pickle_allowed(allow_pickle)
 
@@ -266,10 +322,10 @@ def cat_outputs_cp_object_list(
             )
         return _ObjectListFacts(length=len(object_list))
 
-    agreement.agree(cp_group, facts, what="cat_outputs_cp_object_list", required=True)
-    gathered: list = [None] * dist.get_world_size(cp_group)
+    agreement.agree(group, facts, what="cat_outputs_cp_object_list", required=True)
+    gathered: list = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(gathered, list(object_list), group=cp_group)
+        dist.all_gather_object(gathered, list(object_list), group=group)
     except RuntimeError as e:
         raise RuntimeError("Failed to gather objects") from e
     return [item for part in gathered for item in part]

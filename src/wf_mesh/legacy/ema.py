@@ -21,7 +21,8 @@ SAME_SHARDING = "both must hold the same parameters, sharded the same way (same 
 def get_local_tensor_if_dtensor(tensor):
     """A DTensor's local shard (waiting on an async collective result); anything else unchanged.
 
-    The local tensor is ``DTensor.to_local()``'s: its gradient placements are the DTensor's own placements.
+    Returns:
+        ``DTensor.to_local()``'s tensor (its gradient placements are the DTensor's own), else ``tensor``.
     """
     if isinstance(tensor, DTensor):
         return _compat.wait_if_async(tensor.to_local())
@@ -82,7 +83,9 @@ class DTensorFastEmaModelUpdater:
     def cache(self, parameters: Iterable[torch.Tensor], is_cpu: bool = False) -> None:
         """Snapshot the local shards of ``parameters`` (on CPU with ``is_cpu``) before a temporary overwrite.
 
-        A second ``cache`` without ``restore`` is refused, so a restore cannot apply the wrong weights.
+        Raises:
+            RuntimeError: the cache is taken (a second ``cache`` without ``restore``), so a restore cannot
+                apply the wrong weights.
         """
         if self.is_cached:
             raise RuntimeError("EMA cache is already taken. Did you forget to restore it?")
@@ -95,6 +98,10 @@ class DTensorFastEmaModelUpdater:
         """Write the cached shards back into ``parameters`` and release the cache.
 
         Zips non-strictly (a shorter list, e.g. FSDP holes, restores a prefix).
+
+        Raises:
+            RuntimeError: nothing is cached.
+            ValueError: a cached shard does not fit its parameter.
         """
         if not self.is_cached:
             raise RuntimeError("EMA cache is not taken: call cache(parameters) before restore(parameters)")

@@ -52,7 +52,9 @@ def asserting() -> Iterator[None]:
     legacy subclass (also an AssertionError), with the same message and traceback.
 
     Raises:
-        The legacy subclass of the native error raised inside; anything else unchanged.
+        LegacyStateError: (or LegacyNotInitializedError, LegacyIndivisibleSequenceError) for the native error
+            raised inside.
+        AssertionError: one raised inside, unchanged (as is anything else).
     """
     try:
         yield

@@ -31,23 +31,29 @@ class RankAwareLog:
         getattr(rank_logger().opt(depth=2), level)(message, *args, **kwargs)
 
     def debug(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        """Log at DEBUG (``rank0_only``: on global rank 0 only)."""
         self._write("debug", message, args, kwargs, rank0_only)
 
     def info(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        """Log at INFO (``rank0_only``: on global rank 0 only)."""
         self._write("info", message, args, kwargs, rank0_only)
 
     def success(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        """Log at SUCCESS (``rank0_only``: on global rank 0 only)."""
         self._write("success", message, args, kwargs, rank0_only)
 
     def warning(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        """Log at WARNING (``rank0_only``: on global rank 0 only)."""
         self._write("warning", message, args, kwargs, rank0_only)
 
     warn = warning
 
     def error(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        """Log at ERROR (``rank0_only``: on global rank 0 only)."""
         self._write("error", message, args, kwargs, rank0_only)
 
     def critical(self, message: object, *args: Any, rank0_only: bool = False, **kwargs: Any) -> None:
+        """Log at CRITICAL (``rank0_only``: on global rank 0 only)."""
         self._write("critical", message, args, kwargs, rank0_only)
 
 

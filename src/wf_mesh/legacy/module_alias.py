@@ -64,8 +64,14 @@ def install_alias(alias: str, package: str) -> types.ModuleType:
     """Make ``alias`` and ``alias.<sub>`` import ``package`` and ``package.<sub>`` (every module under it).
 
     Parent packages of ``alias`` that are not imported yet are imported when they exist, else created
-    empty. Idempotent. ImportError, naming the module and its file, when a different module is already
-    imported under one of the names (nothing is registered then). Returns the package.
+    empty. Idempotent.
+
+    Returns:
+        The package.
+
+    Raises:
+        ImportError: (naming the module and its file) a different module is already imported under one of
+            the names; nothing is registered then.
     """
     tree = _tree(alias, package)
     _refuse_foreign(tree, package)

@@ -43,20 +43,26 @@ class PPScheduler(PipelineP2P):
         self._recv_queue: deque[PendingRecv] = deque()
 
     def isend_next(self, tensor: torch.Tensor) -> P2PWork:
-        """Send a contiguous copy of ``tensor`` to the next stage; returns the work handle.
+        """Send a contiguous copy of ``tensor`` to the next stage.
 
         Thanks to the copy the caller may modify ``tensor`` at once; the handle may be dropped.
+
+        Returns:
+            The send's work handle.
         """
         return self.send(self._check_tensor(tensor, "isend_next").detach().clone(memory_format=torch.contiguous_format))
 
     def irecv_prev(self, buffer: torch.Tensor) -> P2PWork:
-        """Post a receive from the previous stage into ``buffer``; returns the work handle.
+        """Post a receive from the previous stage into ``buffer``.
 
         In checked mode this first waits for the header (and raises ValueError on a mismatch).
+
+        Returns:
+            The receive's work handle.
         """
         pending = self.irecv_into(buffer)
         pending.check()
-        return P2PWork(pending.work)
+        return P2PWork(pending.payload_work())
 
     def recv_prev_data(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Receive a new ``(shape, dtype)`` tensor from the previous stage; blocks until it arrived."""
@@ -77,11 +83,14 @@ _scheduler: PPScheduler | None = None
 
 
 def init_pp_scheduler() -> PPScheduler:
-    """Create the process-wide :class:`PPScheduler` on the current mesh's pp axis and return it.
+    """Create the process-wide :class:`PPScheduler` on the current mesh's pp axis.
+
+    Returns:
+        The scheduler.
 
     Raises:
-        PipelineStateError (an AssertionError): it already exists (destroy_model_parallel() resets it).
-        LegacyNotInitializedError (an AssertionError): model parallel is not initialized.
+        PipelineStateError: (an AssertionError) it already exists (destroy_model_parallel() resets it).
+        LegacyNotInitializedError: (an AssertionError) model parallel is not initialized.
     """
     global _scheduler
     if _scheduler is not None:

@@ -83,14 +83,20 @@ def device_with_rank(device: str) -> str:
 
     The original used the global rank, which names a device that does not exist past the first node; the
     local rank is the same number on one node.
+
+    Returns:
+        The device string.
     """
     return f"cuda:{get_local_rank()}" if device == "cuda" else device
 
 
 def get_device(local_rank: int | None = None) -> torch.device:
-    """The original signature of ``inference_runtime.get_device``: without ``local_rank``,
-    :func:`wf_mesh.legacy.runtime.get_device` (the current CUDA device, else CPU); with it, ``cuda:local_rank``
-    when CUDA is available, else CPU."""
+    """This process's device, with the original signature of ``inference_runtime.get_device``.
+
+    Returns:
+        Without ``local_rank``, :func:`wf_mesh.legacy.runtime.get_device` (the current CUDA device, else
+        CPU); with it, ``cuda:local_rank`` when CUDA is available, else CPU.
+    """
     if local_rank is None:
         return runtime.get_device()
     if torch.cuda.is_available():
@@ -99,8 +105,13 @@ def get_device(local_rank: int | None = None) -> torch.device:
 
 
 def rank0_only(func: F) -> F:
-    """Decorator: ``func`` runs on global rank 0 only (and in a non-distributed process); other ranks return
-    None at once. No collective: rank 0 must not wait on the others inside ``func``."""
+    """Decorator: ``func`` runs on global rank 0 only (and in a non-distributed process).
+
+    No collective: rank 0 must not wait on the others inside ``func``.
+
+    Returns:
+        The wrapped function; on other ranks it returns None at once.
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -125,6 +136,9 @@ def rank0_first(func: F) -> F:
     same exception instead of waiting in the barrier: rank 0's type, or its nearest base among the types
     :mod:`wf_mesh.agreement` carries (ValueError, TypeError, OSError, RuntimeError, ...), with a message naming
     the function and rank 0; on rank 0 it is chained to the original exception.
+
+    Returns:
+        The wrapped function.
     """
     what = f"rank0_first({getattr(func, '__qualname__', func)!s})"
 

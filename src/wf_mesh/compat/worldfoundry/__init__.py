@@ -125,9 +125,13 @@ ORIGINAL_NAME = "worldfoundry.core.distributed"
 def install() -> types.ModuleType:
     """Register this tree as ``worldfoundry.core.distributed`` (and each submodule) in ``sys.modules``, with
     the parent packages ``worldfoundry`` and ``worldfoundry.core`` (the real ones when they exist, else empty
-    ones), so that the original imports load wf_mesh. Idempotent; returns this package.
+    ones), so that the original imports load wf_mesh. Idempotent.
 
-    Raises ImportError, naming the module and its file, when a different ``worldfoundry.core.distributed`` (or
-    submodule) is already imported; nothing is registered then.
+    Returns:
+        This package.
+
+    Raises:
+        ImportError: (naming the module and its file) a different ``worldfoundry.core.distributed`` (or
+            submodule) is already imported; nothing is registered then.
     """
     return install_alias(ORIGINAL_NAME, __name__)

@@ -28,9 +28,12 @@ get_local_tensor_if_DTensor = get_local_tensor_if_dtensor
 
 
 def broadcast(tensor: torch.Tensor, cp_or_tp_mesh: DeviceMesh) -> torch.Tensor:
-    """``wf_mesh.broadcast(tensor, cp_or_tp_mesh.get_group())``: the mesh's first rank's tensor on every rank
-    of a 1-D mesh (receivers get it on the group's device, in the source's shape: receivers' tensors need
-    only the same ndim and dtype). A one-rank mesh returns ``tensor`` itself."""
+    """``wf_mesh.broadcast(tensor, cp_or_tp_mesh.get_group())`` over a 1-D mesh.
+
+    Returns:
+        The mesh's first rank's tensor, on every rank (receivers get it on the group's device, in the source's
+        shape: receivers' tensors need only the same ndim and dtype); ``tensor`` itself on a one-rank mesh.
+    """
     return _broadcast(tensor, cp_or_tp_mesh.get_group())
 
 
