@@ -292,7 +292,7 @@ def _call_code(what: str) -> int:
     return zlib.crc32(what.encode()) & 0x7FFFFFFF
 
 
-def header_row(what: str, facts: Facts | Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def header_row(what: str, facts: Facts, device: torch.device | str = "cpu") -> torch.Tensor:
     """One rank's row in the wire format of every header wf_mesh sends (also point to point: the pipeline's
     checked mode sends one before each payload).
 
@@ -322,12 +322,13 @@ def read_header(row: torch.Tensor, what: str, schema: type[F] | None = None) -> 
     return slots if schema is None else schema.decode(slots)
 
 
-def _slots(what: str, facts: Facts | Sequence[int]) -> list[int]:
-    slots = facts.encode() if isinstance(facts, Facts) else [int(f) for f in facts]
+def _slots(what: str, facts: Facts) -> list[int]:
+    if not isinstance(facts, Facts):
+        raise TypeError(f"{what}: the facts function must return a Facts record, got {type(facts).__name__}")
+    slots = facts.encode()
     if len(slots) > MAX_FACTS:
-        name = type(facts).__name__ if isinstance(facts, Facts) else "the facts"
         raise ValueError(
-            f"{what}: {name} takes {len(slots)} wire slots, more than the {MAX_FACTS} of one agreement row "
+            f"{what}: {type(facts).__name__} takes {len(slots)} wire slots, more than the {MAX_FACTS} of one agreement row "
             "(a long tuple field?); send fewer facts, e.g. a crc of a long shape"
         )
     return slots
@@ -400,8 +401,6 @@ class Agreed(Generic[F]):
         """
         if self.rows is None:
             return
-        if not isinstance(self.rows[0], Facts):  # transition: the int-list path's require_same(label[, key])
-            label, key = names[0], (names[1] if len(names) > 1 else key) or (lambda row: row)
         if key is None:
             if not names:
                 raise TypeError("require_same needs field names or a key")
@@ -447,8 +446,7 @@ def agree(
     """
     ranks = dist.get_process_group_ranks(group)
     if not required and not checks_enabled():
-        skipped = facts()
-        return Agreed(what, ranks, None, skipped) if isinstance(skipped, Facts) else None
+        return Agreed(what, ranks, None, facts())
     message = b""
     mine: F | None = None
     try:
@@ -483,8 +481,7 @@ def agree(
             )
         _raise_reported(what, ranks, texts)
     received = [tuple(r[4 : 4 + r[3]]) for r in table]
-    if not isinstance(mine, Facts):  # transition: facts() returned the raw ints
-        return Agreed(what, ranks, received, mine)  # type: ignore[arg-type]
+    assert mine is not None  # the exchange reports a rank whose facts() raised
     return Agreed(what, ranks, [type(mine).decode(r) for r in received], mine)
 
 
