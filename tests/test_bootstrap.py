@@ -230,7 +230,7 @@ def init_twice():
 
 def test_a_second_mesh_is_refused_on_every_rank():
     outcomes = run_distributed(2, init_twice, return_exceptions=True)
-    raised_everywhere(outcomes, wf_mesh.StateError, r"model parallel is already initialized \(ParallelDims\(tp=1, cp=2")
+    raised_everywhere(outcomes, wf_mesh.StateError, r"a ParallelMesh is already initialized \(ParallelDims\(tp=1, cp=2")
 
 
 def other_backend():

@@ -156,7 +156,8 @@ MESH_MISUSE = {
     ),
     "double": (
         StateError,
-        r"model parallel is already initialized \(ParallelDims\(tp=1, cp=2, pp=1, dp=2.*call wf_mesh.destroy_model_parallel\(\) before initializing again",
+        r"a ParallelMesh is already initialized \(ParallelDims\(tp=1, cp=2, pp=1, dp=2.*destroy it first "
+        r"\(wf_mesh.get_parallel_mesh\(\).destroy\(\), or close the DistributedSession that built it\)",
     ),
     "unknown_axis": (KeyError, r"unknown mesh axis 'ep'; valid axes are \['tp', 'cp', 'pp', 'dp', 'tp_cp'"),
     "cfg_axis": (KeyError, r"mesh axis 'cfg' is not in this mesh: its group is one rank \(ParallelDims\(tp=1, cp=2"),
@@ -210,7 +211,7 @@ def test_requires_torch_distributed():
     assert not dist.is_initialized()  # the pytest process itself never joins a group
     with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized: call wf_mesh.init_from_env\(dims\)"):
         wf_mesh.init_parallel()
-    with pytest.raises(RuntimeError, match="model parallel is not initialized: call wf_mesh.initialize_model_parallel"):
+    with pytest.raises(RuntimeError, match="no ParallelMesh is initialized: call wf_mesh.init_from_env"):
         wf_mesh.get_parallel_mesh()
 
 

@@ -247,7 +247,7 @@ def outside_the_pipeline(pipeline):
             (),
             LegacyStateError,  # a StateError and Megatron's AssertionError
             (
-                "init_parallel: model parallel is already initialized (ParallelDims(tp=2, cp=1, pp=1, dp=2, "
+                "initialize_model_parallel: model parallel is already initialized (ParallelDims(tp=2, cp=1, pp=1, dp=2, "
                 "order='tp-cp-pp-dp')); call wf_mesh.destroy_model_parallel() before initializing again"
             ),
         ),

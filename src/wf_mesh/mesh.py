@@ -325,8 +325,8 @@ def _creation_facts(
     """This rank's validation of its init_parallel arguments, as its record (the dims resolved)."""
     if _current is not None:
         raise StateError(
-            f"model parallel is already initialized ({_current.dims}); call "
-            "wf_mesh.destroy_model_parallel() before initializing again"
+            f"a ParallelMesh is already initialized ({_current.dims}); destroy it first "
+            "(wf_mesh.get_parallel_mesh().destroy(), or close the DistributedSession that built it)"
         )
     if not isinstance(dims, ParallelDims):
         raise TypeError(f"init_parallel takes a ParallelDims, got {type(dims).__name__} {dims!r}")
@@ -585,8 +585,8 @@ def get_parallel_mesh() -> ParallelMesh:
     """The current mesh; NotInitializedError (a RuntimeError and an AssertionError) if none was initialized."""
     if _current is None:
         raise NotInitializedError(
-            "model parallel is not initialized: call wf_mesh.initialize_model_parallel(...) "
-            "(or wf_mesh.init_from_env / wf_mesh.init_parallel) first"
+            "no ParallelMesh is initialized: call wf_mesh.init_from_env(ParallelDims(...)) "
+            "(or wf_mesh.init_parallel on an existing process group) first"
         )
     return _current
 

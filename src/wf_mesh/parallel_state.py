@@ -68,17 +68,18 @@ import torch.distributed as dist
 
 from wf_mesh.legacy import context_parallel as _cp
 from wf_mesh.legacy import model_parallel as _mp
-from wf_mesh.legacy.errors import LegacyNotInitializedError, LegacyStateError, asserting
+from wf_mesh.legacy.errors import LegacyNotInitializedError, LegacyStateError
 from wf_mesh.legacy.model_parallel import (
     DEFAULT_ORDER,
     MEGATRON_ORDER,
+    current_mesh,
     default_embedding_ranks,
     default_position_embedding_ranks,
     destroy_model_parallel,
     initialize_model_parallel,
     load_nccl_communicator_config,
 )
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
+from wf_mesh.mesh import ParallelMesh, parallel_mesh_or_none
 from wf_mesh.topology import as_int
 
 __all__ = [
@@ -175,8 +176,7 @@ def _mesh(check_initialized: bool) -> ParallelMesh | None: ...
 def _mesh(check_initialized: bool) -> ParallelMesh | None:
     if not check_initialized:
         return parallel_mesh_or_none()
-    with asserting():  # Megatron asserts: a LegacyNotInitializedError
-        return get_parallel_mesh()
+    return current_mesh()
 
 
 def _group(axis: str, check_initialized: bool = True) -> dist.ProcessGroup | None:

@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 from wf_mesh import _compat, agreement, topology
 from wf_mesh.errors import DegreeError
-from wf_mesh.legacy.errors import LegacyStateError, asserting
+from wf_mesh.legacy.errors import LegacyNotInitializedError, LegacyStateError, asserting
 from wf_mesh.mesh import (
     ParallelMesh,
-    get_parallel_mesh,
     init_parallel,
     parallel_mesh_or_none,
     register_extension,
@@ -36,6 +35,7 @@ __all__ = [
     "DEFAULT_ORDER",
     "MEGATRON_ORDER",
     "State",
+    "current_mesh",
     "data_parallel_gloo_group",
     "default_embedding_ranks",
     "default_position_embedding_ranks",
@@ -224,8 +224,10 @@ def initialize_model_parallel(
     )
     _require_distributed(pipeline_model_parallel_comm_backend)
     nccl_config = _nccl_config(nccl_communicator_config_path)
-    plan = _agree_on_plan(degrees, order, virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups)
-    with asserting():  # "already initialized" is Megatron's AssertionError
+    with asserting():  # "already initialized" is Megatron's AssertionError, on every rank
+        plan = _agree_on_plan(
+            degrees, order, virtual_pipeline_model_parallel_size, choosers, create_gloo_process_groups
+        )
         mesh = init_parallel(plan.dims, timeout=timeout, nccl_config=nccl_config)
     _record_plan(mesh, plan)
 
@@ -394,6 +396,12 @@ def _agree_on_plan(
     defaults = {"embedding": default_embedding_ranks, "position_embedding": default_position_embedding_ranks}
 
     def facts() -> _PlanFacts:
+        current = parallel_mesh_or_none()
+        if current is not None:
+            raise LegacyStateError(
+                f"model parallel is already initialized ({current.dims}); call "
+                "wf_mesh.destroy_model_parallel() before initializing again"
+            )
         dims = ParallelDims(tp=tp, cp=cp, pp=pp, order=order).resolve(world_size)
         size = None if vpp is None else as_int("virtual_pipeline_model_parallel_size", vpp, minimum=1)
         if size is not None and dims.pp == 1:
@@ -482,6 +490,24 @@ def _build_embedding_groups(mesh: ParallelMesh, plans: dict[str, list[list[int]]
     state.built = True
 
 
+NOT_INITIALIZED = (
+    "model parallel is not initialized: call wf_mesh.initialize_model_parallel(...) (or wf_mesh.dist_init / "
+    "wf_mesh.init_from_env) first"
+)
+
+
+def current_mesh() -> ParallelMesh:
+    """The current mesh, for the legacy accessors.
+
+    Raises:
+        LegacyNotInitializedError: none is initialized (Megatron asserts there), in the legacy API's words.
+    """
+    mesh = parallel_mesh_or_none()
+    if mesh is None:
+        raise LegacyNotInitializedError(NOT_INITIALIZED)
+    return mesh
+
+
 def destroy_model_parallel(destroy_process_groups: bool = True) -> None:
     """Destroy the subgroups wf_mesh created and clear all model-parallel state (overrides included).
 
@@ -508,8 +534,7 @@ def data_parallel_gloo_group(with_context_parallel: bool = False) -> dist.Proces
         LegacyNotInitializedError: model parallel is not initialized.
         LegacyStateError: initialize_model_parallel was called with ``create_gloo_process_groups=False``.
     """
-    with asserting():
-        mesh = get_parallel_mesh()
+    mesh = current_mesh()
     if not state.gloo:
         raise LegacyStateError(
             "no Gloo groups: initialize_model_parallel was called with create_gloo_process_groups=False"

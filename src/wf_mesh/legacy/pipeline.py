@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from wf_mesh.legacy.errors import PipelineStateError, asserting
+from wf_mesh.legacy.model_parallel import current_mesh
 from wf_mesh.mesh import ParallelMesh, register_extension
 from wf_mesh.pipeline import P2PWork, PendingRecv, PipelineP2P
 
@@ -98,8 +99,9 @@ def init_pp_scheduler() -> PPScheduler:
             f"init_pp_scheduler: the PP scheduler is already initialized ({_scheduler!r}); "
             "call wf_mesh.destroy_model_parallel() before initializing again"
         )
+    mesh = current_mesh()
     with asserting():
-        _scheduler = PPScheduler()
+        _scheduler = PPScheduler(mesh)
     return _scheduler
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from wf_mesh.bootstrap import init_from_env, read_launch_env
-from wf_mesh.legacy.model_parallel import timeout_minutes
+from wf_mesh.legacy.model_parallel import current_mesh, timeout_minutes
 from wf_mesh.legacy.pipeline import init_pp_scheduler, pp_scheduler_or_none
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
+from wf_mesh.mesh import ParallelMesh, parallel_mesh_or_none
 from wf_mesh.topology import DEFAULT_ORDER, ParallelDims, as_int
 
 __all__ = ["dist_init", "get_device", "is_last_rank", "is_last_tp_cp_rank"]
@@ -112,7 +112,7 @@ def is_last_tp_cp_rank() -> bool:
     """True on the last rank of this rank's tp x cp group (and in a non-distributed process)."""
     if not dist.is_initialized():
         return True
-    mesh = get_parallel_mesh()
+    mesh = current_mesh()
     return mesh.rank("tp_cp") == mesh.size("tp_cp") - 1
 
 
