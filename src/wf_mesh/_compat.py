@@ -334,8 +334,12 @@ def _no_rng_state(like: torch.Tensor) -> torch.Tensor:
 def flash_attention_cuda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the flash kernel (float16/bfloat16; k/v may have fewer heads: grouped-query attention
-    without repeating them). No mask but the causal one (top-left aligned)."""
+    """Run the flash kernel (float16/bfloat16; k/v may have fewer heads: grouped-query attention without
+    repeating them). No mask but the causal one (top-left aligned).
+
+    Returns:
+        ``(out, lse)``.
+    """
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
     return out, lse
 
@@ -350,8 +354,12 @@ def flash_attention_cuda_backward(
     is_causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`flash_attention_cuda` for the given ``out`` and ``lse`` (B, H, Sq), which
-    must be contiguous (a strided lse gives wrong gradients)."""
+    """The backward of :func:`flash_attention_cuda` for the given ``out`` and ``lse`` (B, H, Sq); lse is made
+    contiguous here (a strided lse gives wrong gradients).
+
+    Returns:
+        ``(dq, dk, dv)``.
+    """
     rng = _no_rng_state(q)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal, rng, rng, scale=scale
@@ -362,11 +370,14 @@ def flash_attention_cuda_backward(
 def efficient_attention_cuda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, is_causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the memory-efficient kernel (float32/float16/bfloat16, equal heads).
+    """Run the memory-efficient kernel (float32/float16/bfloat16, equal heads).
 
     ``bias``: additive ``(B, H, Sq, Sk)`` in q's dtype, last dim contiguous, other strides multiples of 16
     elements (an expanded ``(B, 1, 1, Sk_aligned)`` buffer qualifies: stride 0 is a multiple). The kernel's lse
     has its query dim padded to a multiple of 32; it is cut back to ``Sq`` here.
+
+    Returns:
+        ``(out, lse)``.
     """
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, True, 0.0, is_causal, scale=scale
@@ -385,8 +396,12 @@ def efficient_attention_cuda_backward(
     is_causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`efficient_attention_cuda` given ``out`` and ``lse`` (B, H, Sq); lse is padded
-    back to the kernel's 32-query alignment (its blocks read whole tiles of it)."""
+    """The backward of :func:`efficient_attention_cuda` given ``out`` and ``lse`` (B, H, Sq); lse is padded
+    back to the kernel's 32-query alignment (its blocks read whole tiles of it).
+
+    Returns:
+        ``(dq, dk, dv)``.
+    """
     sq = q.shape[2]
     padded = torch.nn.functional.pad(lse, (0, -sq % _EFFICIENT_LSE_ALIGN)).contiguous()
     rng = _no_rng_state(q)
@@ -399,8 +414,12 @@ def efficient_attention_cuda_backward(
 def cudnn_attention_cuda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, is_causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the cuDNN kernel (float16/bfloat16, equal heads, ``bias`` as for the efficient one);
-    its lse keeps a trailing dim of 1 ``(B, H, Sq, 1)``, squeezed here."""
+    """Run the cuDNN kernel (float16/bfloat16, equal heads, ``bias`` as for the efficient one); its lse keeps
+    a trailing dim of 1 ``(B, H, Sq, 1)``, squeezed here.
+
+    Returns:
+        ``(out, lse)``.
+    """
     out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, bias, True, 0.0, is_causal, False, scale=scale
     )
@@ -443,8 +462,12 @@ def cudnn_attention_cuda_backward(
 
 # ---- fake tensors (wf_mesh.testing's fake-CUDA harness, the agreement under a fake mode) ------------------
 def fake_tensor_mode() -> Any:
-    """A new ``FakeTensorMode``: tensors with shapes, dtypes and devices (CUDA too, on a CPU-only build) and no
-    data; torch's kernels' meta functions compute the outputs."""
+    """Make a new ``FakeTensorMode``.
+
+    Returns:
+        The mode: tensors made under it have shapes, dtypes and devices (CUDA too, on a CPU-only build) and
+        no data; torch's kernels' meta functions compute the outputs.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()

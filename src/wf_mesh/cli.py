@@ -259,6 +259,9 @@ def demo_command(
     One node: ``--standalone``. Several: ``--nnodes N --rdzv-backend B --rdzv-endpoint HOST:PORT --rdzv-id ID
     --rdzv-conf join_timeout=T,timeout=T`` (and ``--node-rank R`` when given; torchrun's c10d rendezvous
     ignores it and numbers nodes as they join).
+
+    Returns:
+        The command's arguments, ``sys.executable`` first.
     """
     if nnodes == 1:
         launch = ["--standalone"]

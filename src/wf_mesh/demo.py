@@ -105,6 +105,7 @@ class CheckResult:
 
     @property
     def summary(self) -> str:
+        """The line the demo prints for this result (each result class says it)."""
         raise NotImplementedError
 
 
@@ -114,6 +115,8 @@ Check = Callable[[DemoContext], CheckResult]
 # ---- the mesh and its groups ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TopologyResult(CheckResult):
+    """What :func:`check_topology` measured on this rank."""
+
     order: str
     coords: dict[str, int]
     """This rank's coordinates, as the mesh says."""
@@ -122,12 +125,20 @@ class TopologyResult(CheckResult):
 
     @property
     def summary(self) -> str:
+        """The line the demo prints for this result."""
         return f"topology: coords and groups of {len(self.groups)} axes match ParallelDims (order {self.order})"
 
 
 def check_topology(ctx: DemoContext) -> TopologyResult:
     """The mesh's coordinates and groups equal the pure plan (:meth:`ParallelDims.group_of`) on every axis
-    (the cp sub-axes too when cp is split)."""
+    (the cp sub-axes too when cp is split).
+
+    Returns:
+        This rank's coordinates and groups, as the mesh says.
+
+    Raises:
+        CheckFailed: the coordinates or a group differ from the plan.
+    """
     result = TopologyResult(
         ctx.dims.order, ctx.mesh.coords(), {axis: ctx.mesh.ranks(axis) for axis in mesh_axes(ctx.dims)}
     )
@@ -145,16 +156,26 @@ def check_topology(ctx: DemoContext) -> TopologyResult:
 
 @dataclasses.dataclass(frozen=True)
 class AllReduceResult(CheckResult):
+    """What :func:`check_all_reduce` measured on this rank."""
+
     sums: dict[str, int]
     """Per axis: the all-reduced (SUM) global rank over this rank's group."""
 
     @property
     def summary(self) -> str:
+        """The line the demo prints for this result."""
         return f"all-reduce: SUM of the global rank over each group of {len(self.sums)} axes = the sum of its ranks"
 
 
 def check_all_reduce(ctx: DemoContext) -> AllReduceResult:
-    """All-reduce (SUM) of the global rank over each axis's group equals the sum of that group's ranks."""
+    """All-reduce (SUM) of the global rank over each axis's group equals the sum of that group's ranks.
+
+    Returns:
+        The all-reduced sum on every axis.
+
+    Raises:
+        CheckFailed: a sum differs from the sum of the group's ranks.
+    """
     import torch
     import torch.distributed as dist
 
@@ -185,8 +206,12 @@ VIDEO_SEED = 7
 
 
 def video_inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(latent (B, C, T, H, W), positions (T, H, W, C))`` of :func:`check_cp_video_split` at ``cp``: the same
-    on every rank and in a single-process reference."""
+    """The inputs of :func:`check_cp_video_split` at ``cp``: the same on every rank and in a single-process
+    reference.
+
+    Returns:
+        ``(latent (B, C, T, H, W), positions (T, H, W, C))``.
+    """
     import torch
 
     shape = (2, 4, 4, 4 * cp, 6)  # T=4 takes gcd(4, cp) of cp; H (patch 2) always takes the rest
@@ -197,6 +222,8 @@ def video_inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class VideoSplitResult(CheckResult):
+    """What :func:`check_cp_video_split` measured on this rank."""
+
     shape: tuple[int, ...]
     cp: int
     cp_t: int
@@ -213,6 +240,7 @@ class VideoSplitResult(CheckResult):
 
     @property
     def summary(self) -> str:
+        """The line the demo prints for this result."""
         return (
             f"cp video split: {self.shape} latent over cp={self.cp} = {self.cp_t} (T) x {self.cp_h} (H) blocks of "
             f"{self.local_thw}; gather(tanh(x) + pos) = one process (err {self.max_err:.0e})"
@@ -221,7 +249,14 @@ class VideoSplitResult(CheckResult):
 
 def check_cp_video_split(ctx: DemoContext, *, tol: float = 1e-6) -> VideoSplitResult:
     """Split a (B, C, T, H, W) latent over cp (time, then height), apply ``tanh(x) + pos`` per token with the
-    matching position embeddings, gather: equals the whole latent done in one process."""
+    matching position embeddings, gather: equals the whole latent done in one process.
+
+    Returns:
+        The shard's layout, the gathered latent and output, and the output's error.
+
+    Raises:
+        CheckFailed: the shard's size, the gathered latent or the gathered output is wrong (beyond ``tol``).
+    """
     import torch
     from einops import rearrange
 
@@ -269,6 +304,8 @@ def fsdp_batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class FsdpEmaResult(CheckResult):
+    """What :func:`check_fsdp_ema` measured on this rank."""
+
     steps: int
     beta: float
     fsdp_size: int
@@ -282,6 +319,7 @@ class FsdpEmaResult(CheckResult):
 
     @property
     def summary(self) -> str:
+        """The line the demo prints for this result."""
         numel = sum(t.numel() for t in self.weights.values())
         return (
             f"fsdp2 + ema: {self.steps} AdamW steps, {numel}-param MLP sharded over {FSDP_AXIS} "
@@ -298,7 +336,14 @@ def _full(parameter: torch.Tensor) -> torch.Tensor:
 def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: float = 1e-5) -> FsdpEmaResult:
     """``fully_shard`` a tiny MLP over the FSDP axis (dp_cfg_cp: dp_cp while cfg is 1), train a few AdamW steps on per-rank batches with a
     :class:`~wf_mesh.ShardedEMA` update after each; the EMA's full weights (DTensor ``full_tensor``) and the
-    model's equal a single-process run on the whole batch with a plain float32 EMA."""
+    model's equal a single-process run on the whole batch with a plain float32 EMA.
+
+    Returns:
+        The full weights and EMA after the last step, and their error.
+
+    Raises:
+        CheckFailed: a shape differs, or the weights or the EMA differ from the single-process run beyond ``tol``.
+    """
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -341,6 +386,8 @@ def check_fsdp_ema(ctx: DemoContext, *, steps: int = 3, beta: float = 0.9, tol: 
 # ---- pipeline ring --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PipelineRingResult(CheckResult):
+    """What :func:`check_pipeline_ring` measured on this rank."""
+
     ring: list[int]
     """Global ranks of this rank's pp group, stage order."""
     stage: int
@@ -350,6 +397,7 @@ class PipelineRingResult(CheckResult):
 
     @property
     def summary(self) -> str:
+        """The line the demo prints for this result."""
         path = " -> ".join(map(str, [*self.ring, self.ring[0]]))
         return f"pipeline ring: a token went around {plural(self.rings, 'pp ring')} ({path} here) via PipelineP2P"
 
@@ -357,7 +405,15 @@ class PipelineRingResult(CheckResult):
 def check_pipeline_ring(ctx: DemoContext) -> PipelineRingResult:
     """A token goes once around each pp ring over :class:`~wf_mesh.PipelineP2P` (checked sends and receives);
     every stage adds its global rank, and stage 0 gets ``[pp, sum of the ring's ranks]``. Skipped when pp=1 (a
-    single stage has no neighbour)."""
+    single stage has no neighbour).
+
+    Returns:
+        This rank's ring, stage and what it received.
+
+    Raises:
+        CheckSkipped: pp is 1.
+        CheckFailed: a stage received something other than the hops and ranks before it.
+    """
     import torch
 
     import wf_mesh
@@ -424,6 +480,9 @@ def run_checks(
 
     ``echo`` (e.g. ``print`` on rank 0) gets a ``[i/n] title ...`` line before each check and its outcome's
     line after.
+
+    Returns:
+        The outcomes, in order; an exception a check raises becomes a failed outcome, it is not raised.
     """
     import torch.distributed as dist
 
@@ -560,9 +619,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(argv: Sequence[str]) -> int:
-    """Run torch's launcher (``torch.distributed.run``, i.e. torchrun) with ``argv`` in this process; its exit
-    code. A failed worker is reported as one line (ranks and exit codes) instead of torchrun's report: the
-    workers have said what failed."""
+    """Run torch's launcher (``torch.distributed.run``, i.e. torchrun) with ``argv`` in this process. A failed
+    worker is reported as one line (ranks and exit codes) instead of torchrun's report: the workers have said
+    what failed.
+
+    Returns:
+        The launcher's exit code (1 when a worker failed).
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 

@@ -137,6 +137,7 @@ class ParallelMesh:
 
     @property
     def device_type(self) -> str:
+        """The device type of the mesh (``"cpu"`` or ``"cuda"``)."""
         return self.root.device_type
 
     @property
@@ -146,11 +147,15 @@ class ParallelMesh:
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the default group."""
         return self._global_rank
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """Coordinates on the axes in use (``{"tp": .., "cp": .., "pp": .., "dp": ..}``, and ``"cfg"`` when it is
-        2) of ``rank`` (default: this rank)."""
+        """Coordinates of ``rank`` (default: this rank) on the axes in use.
+
+        Returns:
+            ``{"tp": .., "cp": .., "pp": .., "dp": ..}``, and ``"cfg"`` when it is 2.
+        """
         return self.dims.coords(self._global_rank if rank is None else rank)
 
     def _key(self, axis: str) -> str:
@@ -218,8 +223,12 @@ class ParallelMesh:
 
     # ---- FSDP2 views --------------------------------------------------------------------------------
     def fsdp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh to pass to ``fully_shard`` for plain FSDP: this rank's :data:`~wf_mesh.topology.FSDP_AXIS`
-        (``dp_cfg_cp``: the ranks holding the same weights; the ``dp_cp`` group while cfg is 1)."""
+        """The 1-D mesh to pass to ``fully_shard`` for plain FSDP.
+
+        Returns:
+            This rank's :data:`~wf_mesh.topology.FSDP_AXIS` mesh (``dp_cfg_cp``: the ranks holding the same
+            weights; the ``dp_cp`` group while cfg is 1).
+        """
         return self[FSDP_AXIS]
 
     @property
@@ -230,7 +239,12 @@ class ParallelMesh:
     def hsdp_mesh(self) -> DeviceMesh:
         """The 2-D ``("replicate", "shard")`` mesh for HSDP ``fully_shard``; shard = dp_shard x cfg x cp.
 
-        Raises RuntimeError unless the mesh was built with ``init_parallel(..., dp_replicate=R)``.
+        Returns:
+            The HSDP view built with the mesh.
+
+        Raises:
+            RuntimeError: the mesh was not built with ``init_parallel(..., dp_replicate=R)``.
+            StateError: the mesh was destroyed.
         """
         if self._hsdp is None:
             self._key("dp")  # a destroyed mesh says so
@@ -270,8 +284,11 @@ def _timeout_ms(timeout: datetime.timedelta | None) -> int:
 
 
 def _all_orders() -> tuple[str, ...]:
-    """Every order a resolved ParallelDims can show: permutations of the axes always in use plus any of the
-    optional ones (the agreement sends an order as its index here)."""
+    """Every order a resolved ParallelDims can show (the agreement sends an order as its index here).
+
+    Returns:
+        The permutations of the axes always in use plus any of the optional ones, joined by ``-``.
+    """
     always = [a.name for a in AXIS_TABLE if not a.optional]
     optional = [a.name for a in AXIS_TABLE if a.optional]
     subsets = (c for n in range(len(optional) + 1) for c in itertools.combinations(optional, n))
@@ -356,8 +373,12 @@ def _creation_facts(
 
 
 def _agree_on_creation(dims: ParallelDims, *options: Any) -> tuple[ParallelDims, str, bool]:
-    """Validate here and agree with every rank (one all-gather over the default group); returns the resolved
-    dims, the device type and the checks setting, or raises the same error on every rank."""
+    """Validate here and agree with every rank (one all-gather over the default group), or raise the same
+    error on every rank.
+
+    Returns:
+        The resolved dims, the device type and the checks setting.
+    """
     world: Any = dist.group.WORLD
     agreed: agreement.Agreed[Any] = agreement.agree(
         world, lambda: _creation_facts(dims, *options), what="init_parallel", required=True
@@ -408,10 +429,16 @@ def init_parallel(
     Returns:
         The new current mesh.
 
-    Raises (on every rank, before any subgroup is created):
-        RuntimeError: torch.distributed is not initialized (this rank only), or a mesh is already current.
-        DegreeError: the degrees do not multiply to the world size, or dp_replicate does not divide dp.
+    Raises:
+        RuntimeError: torch.distributed is not initialized (this rank only).
+        StateError: a mesh is already current.
+        TypeError: ``dims`` is not a ParallelDims.
+        DegreeError: the degrees do not multiply to the world size.
+        ValueError: dp_replicate does not divide dp, an unknown device type, nccl_config axis or extra axis, or
+            a timeout that is not a positive timedelta.
         DisagreementError: ranks passed different arguments.
+
+    Every error but the first is raised on every rank, before any subgroup is created.
     """
     global _current
     if not dist.is_initialized():
@@ -475,7 +502,10 @@ def _add_flattened_axes(
 ) -> list[DeviceMesh]:
     """Flatten every derived (and extra) axis into ``axes``; an axis whose members in use are those of an axis
     already there (``dp_cfg_cp`` at cfg=1 is ``dp_cp``; one member: the root's dim) is that axis's mesh.
-    Returns the meshes created."""
+
+    Returns:
+        The meshes created.
+    """
     built = {frozenset([a]): a for a in dims.axis_order}
     created = []
     for name, members in {**DERIVED_AXES, **_extra_axes(dims, extra_axes)}.items():
@@ -494,7 +524,11 @@ def _add_sub_axes(
     dims: ParallelDims, root: DeviceMesh, axes: dict[str, DeviceMesh], options: _OptionsFor
 ) -> list[DeviceMesh]:
     """Unflatten every split axis in use into its sub-axes (``cp`` into ``cp_ring`` x ``cp_ulysses``) when it
-    is split; returns the meshes created."""
+    is split.
+
+    Returns:
+        The meshes created.
+    """
     created = []
     for axis in AXIS_TABLE:
         split = axis.split
@@ -565,7 +599,11 @@ def hsdp_rank_grid(dims: ParallelDims, dp_replicate: int) -> torch.Tensor:
 
 def _build_hsdp(dims: ParallelDims, dp_replicate: int, device_type: str, opts: Any) -> DeviceMesh:
     """Build every tp x pp coordinate's 2-D view (``new_group`` is collective, so every rank builds all of
-    them, in the same order) and return the one holding this rank. Public DeviceMesh API only."""
+    them, in the same order). Public DeviceMesh API only.
+
+    Returns:
+        The view holding this rank.
+    """
     override = None if opts is None else ((None, opts), (None, opts))
     rank, mine = dist.get_rank(), None
     for grid in hsdp_rank_grid(dims, dp_replicate):

@@ -172,6 +172,9 @@ _NAMES = {*AXES, *SUB_AXES, *DERIVED_AXES}
 def axis_named(name: str) -> Axis:
     """The :data:`AXIS_TABLE` row of base axis ``name``.
 
+    Returns:
+        The row's :class:`Axis`.
+
     Raises:
         KeyError: ``name`` is not a base axis.
     """
@@ -253,9 +256,13 @@ def _segment(words: list[str]) -> list[str] | None:
 
 
 def _place_left_out(names: list[str]) -> list[str]:
-    """``names`` (a given order) completed to every base axis: a left-out axis that is not optional goes to
-    the end (in table order); a left-out optional axis goes just before the axis that follows it in the
-    default order (or to the end when nothing follows it)."""
+    """Complete ``names`` (a given order) to every base axis.
+
+    Returns:
+        The completed order: a left-out axis that is not optional goes to the end (in table order); a
+        left-out optional axis goes just before the axis that follows it in the default order (or to the end
+        when nothing follows it).
+    """
     order = names + [a.name for a in AXIS_TABLE if not a.optional and a.name not in names]
     for i in reversed(range(len(AXIS_TABLE))):  # followers first, so a follower is always placed already
         axis = AXIS_TABLE[i]
@@ -351,8 +358,11 @@ class ParallelDims:
 
     # ---- construction -------------------------------------------------------------------------------
     def factors(self) -> str:
-        """The degrees as messages show them: ``"tp=2, cp=1, pp=1, dp=4"`` (cfg when it is 2, a split when it
-        is not 1)."""
+        """The degrees as messages show them.
+
+        Returns:
+            E.g. ``"tp=2, cp=1, pp=1, dp=4"`` (cfg when it is 2, a split when it is not 1).
+        """
         shown = [f"{a.name}={getattr(self, a.name)}" for a in AXIS_TABLE if not a.optional or getattr(self, a.name) > 1]
         splits = [f"{s.fast}={getattr(self, s.fast)}" for s in _SPLITS if getattr(self, s.fast) != 1]
         return ", ".join(shown + splits)
@@ -422,6 +432,9 @@ class ParallelDims:
 
     def in_use(self, axis: str) -> bool:
         """Whether base axis ``axis`` is part of the layout: not optional, or of degree > 1.
+
+        Returns:
+            True when ``axis`` is in use.
 
         Raises:
             KeyError: ``axis`` is not a base axis.
@@ -506,8 +519,12 @@ class ParallelDims:
 
     # ---- rank arithmetic ----------------------------------------------------------------------------
     def _atoms(self, axes: str | Iterable[str]) -> tuple[str, ...]:
-        """``axes`` as indivisible axes in use (a split axis becomes its sub-axes), in rank order, fastest
-        first. An optional axis of degree 1 has no atom: its groups are single ranks."""
+        """``axes`` as indivisible axes in use (a split axis becomes its sub-axes).
+
+        Returns:
+            The atoms in rank order, fastest first. An optional axis of degree 1 has no atom: its groups are
+            single ranks.
+        """
         names: set[str] = set()
         for name in parse_axes(axes):
             split = _TABLE[name].split if name in _TABLE else None
@@ -544,6 +561,9 @@ class ParallelDims:
 
         Takes base axes (``cp``) or their sub-axes (``cp_ring``, ``cp_ulysses``), not both.
 
+        Returns:
+            The global rank.
+
         Raises:
             ValueError: an unknown axis, an axis and its sub-axes, or a coordinate out of range.
         """
@@ -569,6 +589,9 @@ class ParallelDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of a global rank on the axes in use, fastest first: ``{"tp": .., "cp": .., ...}``.
+
+        Returns:
+            The coordinate of ``rank`` on each axis in use, by axis name.
 
         Raises:
             ValueError: ``rank`` out of range.
@@ -603,6 +626,9 @@ class ParallelDims:
 
     def group(self, axes: str | Iterable[str], index: int) -> list[int]:
         """Group number ``index`` of ``axes`` (groups are numbered by their first rank, ascending).
+
+        Returns:
+            The group's global ranks, in the order :meth:`groups` lists them.
 
         Raises:
             ValueError: ``index`` out of range, or a bad token.
@@ -653,6 +679,9 @@ class ParallelDims:
 
         Lists every rank, so it refuses worlds over :data:`MAX_GROUP_LISTING` ranks: use :meth:`group`,
         :meth:`group_of` or :meth:`iter_groups` there.
+
+        Returns:
+            Every group's global ranks.
 
         Raises:
             ValueError: the world is too large to list, or a bad token.

@@ -56,8 +56,12 @@ _AXIS_NOTES = {
 
 
 def mesh_axes(dims: ParallelDims) -> tuple[str, ...]:
-    """Every axis a mesh of ``dims`` shows (:attr:`~wf_mesh.topology.ParallelDims.shown_axes`): :data:`PLAN_AXES`,
-    plus cfg and ``dp_cfg_cp`` when cfg is 2, and ``cp_ulysses`` and ``cp_ring`` when cp is split."""
+    """Every axis a mesh of ``dims`` shows (:attr:`~wf_mesh.topology.ParallelDims.shown_axes`).
+
+    Returns:
+        The axis names: :data:`PLAN_AXES`, plus cfg and ``dp_cfg_cp`` when cfg is 2, and ``cp_ulysses`` and
+        ``cp_ring`` when cp is split.
+    """
     return dims.shown_axes
 
 
@@ -170,8 +174,11 @@ class _Atom(NamedTuple):
 
 
 def _atoms(dims: ParallelDims) -> list[_Atom]:
-    """The indivisible axes of ``dims`` in use, fastest first, with their global-rank strides (a split axis as
-    its sub-axes, when it is split)."""
+    """The indivisible axes of ``dims`` in use (a split axis as its sub-axes, when it is split).
+
+    Returns:
+        One atom per axis, fastest first, with its size and global-rank stride.
+    """
     out, stride = [], 1
     for axis in dims.axis_order:
         split = next(a.split for a in AXIS_TABLE if a.name == axis)

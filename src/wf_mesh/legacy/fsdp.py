@@ -48,8 +48,15 @@ def hsdp_sizes(
     """``(replicas, shard size)`` as the original resolves them; pure.
 
     The shard size defaults to ``min(world_size, 8)`` and is capped at the world size; the replica count
-    defaults to ``world_size // shard size``. ValueError unless the shard size divides the world and
-    replicas x shard size is the world size.
+    defaults to ``world_size // shard size``.
+
+    Returns:
+        ``(replicas, shard size)``.
+
+    Raises:
+        ValueError: the shard size does not divide the world, replicas x shard size is not the world size, or a
+            size below 1.
+        TypeError: a size that is not an int.
     """
     if sharding_group_size is None:
         shard = min(world_size, DEFAULT_MAX_SHARD)
@@ -116,9 +123,16 @@ def hsdp_device_mesh(
         device: ``"cpu"`` or ``"cuda"`` (a device index is ignored); default None: ``"cuda"`` when the default
             group uses NCCL, else ``"cpu"`` (the original defaulted to ``"cuda"``).
 
-    Raises (on every rank, before any group is created): ValueError for sizes that do not fit the world or an
-    unknown device, TypeError for a size that is not an int, DisagreementError when ranks pass different
-    arguments; RuntimeError without torch.distributed.
+    Returns:
+        The 2-D DeviceMesh (row i a shard group, column j a replicate group): the current mesh's HSDP view when
+        it has this layout, else one made once per layout and reused while it lives.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: sizes that do not fit the world, or an unknown device (on every rank, before any group is
+            created).
+        TypeError: a size that is not an int (on every rank, before any group is created).
+        DisagreementError: ranks pass different arguments (on every rank, before any group is created).
     """
     if not dist.is_initialized():
         raise RuntimeError(

@@ -94,6 +94,15 @@ def load_nccl_communicator_config(path: str | Path) -> dict[str, dict[str, int]]
 
     The file maps group names (``dp``, ``dp_cp``, ``cp``, ``mp``, ``tp``, ``tp_cp``, ``pp``, ``tp_cp_dp``,
     ``tp_dp``) to ``{min_ctas, max_ctas, cga_cluster_size}`` integers. Needs PyYAML (``pip install pyyaml``).
+
+    Returns:
+        The options of each group in the file, keyed by the axis of its ranks (``mp`` is ``tp_pp``).
+
+    Raises:
+        ImportError: PyYAML is not installed.
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is not YAML, not a mapping, names an unknown group, or gives options other than
+            integer ``min_ctas``, ``max_ctas``, ``cga_cluster_size``.
     """
     try:
         import yaml
@@ -170,25 +179,40 @@ def initialize_model_parallel(
     are Megatron's (see the module docstring for what is not supported). A degree left out (None) is 1.
 
     Args:
-        tp_size / tensor_model_parallel_size: tensor-parallel degree (give one spelling).
-        pp_size / pipeline_model_parallel_size: pipeline-parallel degree.
-        cp_size / context_parallel_size: context-parallel degree.
+        tp_size: tensor-parallel degree (MAGI-1's spelling; give one of the two).
+        pp_size: pipeline-parallel degree (MAGI-1's spelling).
+        cp_size: context-parallel degree (MAGI-1's spelling).
         nccl_communicator_config_path: Megatron's per-group NCCL YAML (:func:`load_nccl_communicator_config`);
             ignored, with a warning, when the backend is not NCCL.
         distributed_timeout_minutes: timeout of the subgroups' collectives.
         order: rank order, fastest axis first; default :data:`DEFAULT_ORDER` (Megatron's is
             :data:`MEGATRON_ORDER`); its ``ep`` is one of :data:`~wf_mesh.topology.UNSHARDED_AXES`, which
             ParallelDims accepts and drops.
+        tensor_model_parallel_size: Megatron's spelling of ``tp_size``.
+        pipeline_model_parallel_size: Megatron's spelling of ``pp_size``.
         virtual_pipeline_model_parallel_size: virtual stages per pipeline rank (interleaved schedule); needs
             pp > 1. Sets the virtual world size to it and the virtual rank to 0.
-        get_embedding_ranks / get_position_embedding_ranks: ``f(pipeline_ranks) -> ranks`` choosing which
-            stages of each pipeline hold the (position) embeddings; default :func:`default_embedding_ranks` /
-            :func:`default_position_embedding_ranks`. Must return distinct ranks of that pipeline.
-        create_gloo_process_groups: False makes the Gloo getters raise (as in Megatron).
-        expert_model_parallel_size: must be 1; expert_tensor_parallel_size: None or the tensor-parallel size.
         pipeline_model_parallel_comm_backend: None or the default group's backend.
+        use_sharp: must be False (SHARP is not supported).
+        context_parallel_size: Megatron's spelling of ``cp_size``.
+        hierarchical_context_parallel_sizes: must be empty (hierarchical cp is not supported).
+        hybrid_context_parallel: must be False (hybrid cp is not supported).
+        expert_model_parallel_size: must be 1 (expert parallelism is not supported).
+        num_distributed_optimizer_instances: must be 1 (partial data parallel is not supported).
+        expert_tensor_parallel_size: None or the tensor-parallel size.
+        get_embedding_ranks: ``f(pipeline_ranks) -> ranks`` choosing which stages of each pipeline hold the
+            embeddings; default :func:`default_embedding_ranks`. Must return distinct ranks of that pipeline.
+        get_position_embedding_ranks: the same for the position embeddings; default
+            :func:`default_position_embedding_ranks`.
+        create_gloo_process_groups: False makes the Gloo getters raise (as in Megatron).
+        high_priority_stream_groups: must be empty (high-priority NCCL streams are not supported).
+        sharp_enabled_group: must be None (SHARP is not supported).
+        create_all_gather_group: must be False or None (a second dp x cp communicator is not supported).
+        encoder_tensor_model_parallel_size: must be 0 or None (the encoder pipeline is not supported).
+        encoder_pipeline_model_parallel_size: must be 0 or None (the encoder pipeline is not supported).
+        pipeline_model_parallel_split_rank: must be None (the encoder pipeline is not supported).
 
-    Raises (every rank alike where it says so):
+    Raises:
         TypeError: both spellings of a degree, a callable or flag of the wrong type (this rank, at once);
             a degree that is not an int (every rank).
         NotImplementedError: an unsupported feature (this rank, at once; see the module docstring).
@@ -390,7 +414,11 @@ def _agree_on_plan(
     gloo: bool,
 ) -> _PlanFacts:
     """Judge the degrees (ParallelDims), the virtual size and the embedding ranks on every rank and agree on
-    them (one all-gather): every rank gets the same verdict. Returns this rank's plan."""
+    them (one all-gather): every rank gets the same verdict.
+
+    Returns:
+        This rank's plan.
+    """
     tp, pp, cp = (_or_one(degrees[axis]) for axis in ("tp", "pp", "cp"))
     world_size = dist.get_world_size()
     defaults = {"embedding": default_embedding_ranks, "position_embedding": default_position_embedding_ranks}
@@ -529,6 +557,9 @@ def data_parallel_gloo_group(with_context_parallel: bool = False) -> dist.Proces
     The Gloo groups (dp and dp x cp at once) are created on the first request after the mesh was built and
     destroyed with it. Creating groups is collective over the whole world: every rank must make that first
     call (of either kind), as every rank does in Megatron, where they are built at initialization.
+
+    Returns:
+        The Gloo process group holding this rank.
 
     Raises:
         LegacyNotInitializedError: model parallel is not initialized.

@@ -67,7 +67,17 @@ def dist_init(config: Any) -> ParallelMesh:
     Safe to call again: an initialized default group is reused, and an existing mesh with the same degrees
     is returned as is (a different one is an error). With ``pp_size > 1`` the legacy PP scheduler is created
     too (once). Teardown is the original's: ``destroy_model_parallel()``, then the caller destroys the default
-    group. Returns the current :class:`~wf_mesh.mesh.ParallelMesh`.
+    group.
+
+    Returns:
+        The current :class:`~wf_mesh.mesh.ParallelMesh`.
+
+    Raises:
+        TypeError: ``config`` is None, or a degree or the timeout is not a number.
+        ValueError: a bad config value (named by its key), or degrees that do not fit the world size (a
+            DegreeError naming the config keys).
+        RuntimeError: ``distributed_backend="nccl"`` without CUDA, or a mesh of other degrees is already
+            initialized.
     """
     config = getattr(config, "engine_config", config)
     if config is None:
