@@ -527,6 +527,9 @@ NOT_INITIALIZED = (
 def current_mesh() -> ParallelMesh:
     """The current mesh, for the legacy accessors.
 
+    Returns:
+        The process-wide :class:`~wf_mesh.mesh.ParallelMesh`.
+
     Raises:
         LegacyNotInitializedError: none is initialized (Megatron asserts there), in the legacy API's words.
     """
