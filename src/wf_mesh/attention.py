@@ -12,7 +12,8 @@ method     communication per call (forward; backward)       peak extra K/V (forw
 ring       ``n-1`` hops of k, v (+mask) by P2P, each        ``min(2, n-1)`` blocks   none (any heads, GQA,
            posted before the current block is computed;     (the one received last   uneven, causal, zigzag)
            backward: the same ``n-1`` hops, and ``n``        + the one in flight):
-           hops of fp32 dK, dV back to their owners         ``2/n`` of the full K/V
+           hops of dK, dV (accumulation dtype) back         ``2/n`` of the full K/V
+           to their owners
 ulysses    4 ``all_to_all_single`` (q, k, v in, out back;  the whole sequence of    q heads divisible by
            +1 for the mask); backward 4                     ``H/n`` heads: ``1/n``   ``n`` (GQA: see below)
 usp        Ulysses inside ``cp_ulysses`` (4 all-to-all),    the all-to-all output    q heads divisible by U;
@@ -22,8 +23,8 @@ allgather  1 all-gather of k, v (+1 mask); backward 1       the full K/V (padded
            reduce-scatter of dK, dV                         ``n`` x longest shard)   ("today's pattern")
 =========  ===============================================  =======================  ========================
 
-Backward holds, besides the saved inputs, the same K/V blocks plus the dK/dV blocks in flight (fp32). What
-is kept from forward to backward: ring only its local k, v, out and the fp32 lse; ulysses/usp the head
+Backward holds, besides the saved inputs, the same K/V blocks plus the dK/dV blocks in flight (accumulation
+dtype). What is kept from forward to backward: ring only its local k, v, out and the lse; ulysses/usp the head
 shards of q, k, v (``1/n`` of the full K/V); allgather the full K/V.
 
 Every call first runs one :func:`~wf_mesh.agreement.agree` exchange (one small all-gather on the cp group):
@@ -39,12 +40,16 @@ the queries are skipped): with contiguous shards the last rank does ``2n-1`` tim
 zigzag gives every rank the same amount. (Ulysses attends over the whole sequence on every rank, so its
 work is balanced either way.)
 
-Precision: softmax statistics (row max / log-sum-exp), the merge of partial results and the ring's
-travelling dK/dV are fp32 whatever the input dtype; the output is cast to the input dtype once.
+Precision: softmax statistics (log-sum-exp), the merge of partial results, the gradient accumulators and
+the ring's travelling dK/dV are in the accumulation dtype, ``torch.promote_types(dtype, float32)``: fp32 for
+fp32/bf16/fp16 inputs, float64 for float64 (float64 end to end: every method equals float64 SDPA to 1e-10,
+forward and backward, and ``torch.autograd.gradcheck`` passes through a distributed call). The output is cast
+to the input dtype once. Other dtypes (integer, complex, float8) are refused on every rank before data moves.
 Local attention runs a fused SDPA kernel with log-sum-exp output, picked per call by
 :func:`wf_mesh.attention_kernels.choose_kernel`: on CUDA flash (no key padding), memory-efficient (key padding
-as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel. The fp32 math kernel, which materializes
-each block's scores, is the last resort and warns once naming why (dtype, head dim, mask kind, disabled).
+as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel (float64 included). The math kernel,
+which materializes each block's scores, is the last resort and warns once naming why (dtype, head dim, mask
+kind, disabled): on CUDA that is every float64 call (no fused CUDA kernel takes float64).
 
 Key padding: ``key_padding_mask`` is bool ``(B, S_local)`` for this rank's keys, True = padding (the
 ``nn.MultiheadAttention`` convention); it travels with its K/V block. A query row whose keys are all
