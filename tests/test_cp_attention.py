@@ -400,7 +400,7 @@ def misuse(pm, kind):
     rank = pm.rank("cp")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 4, 8, generator=g) for _ in range(3))  # 4 tokens per rank
-    kwargs = {}
+    kwargs = {"layout": "bhsd"}
     if kind == "method":
         kwargs["method"] = "ulysses" if rank == 1 else "ring"
     elif kind == "unknown_method":
@@ -432,6 +432,17 @@ def misuse(pm, kind):
     elif kind == "dtensor_mesh":
         q, k, v = (sequence_dtensor(x, 2, (2, 4, 16, 8), mesh=pm) for x in (q, k, v))
         kwargs["mesh"] = DeviceMesh("cpu", torch.tensor([3, 2, 1, 0]))  # the same ranks, another order
+    elif kind == "no_layout":  # no default: the layout is always said
+        del kwargs["layout"]
+    elif kind == "unknown_layout":
+        kwargs["layout"] = None
+    elif kind == "layout":
+        kwargs["layout"] = "bshd" if rank == 0 else "bhsd"
+    elif kind == "dtensor_layout":  # (B, S, H, D) DTensors sharded on their sequence dim 1, called as bhsd
+        q, k, v = (sequence_dtensor(x.transpose(1, 2), 1, (2, 16, 4, 8), mesh=pm) for x in (q, k, v))
+    elif kind == "dtensor_layout_one_rank":  # (B, H, S, D) DTensors; rank 2 says bshd
+        q, k, v = (sequence_dtensor(x, 2, (2, 4, 16, 8), mesh=pm) for x in (q, k, v))
+        kwargs["layout"] = "bshd" if rank == 2 else "bhsd"
     try:
         cp_attention(q, k, v, **kwargs)
     except Exception as exc:
@@ -452,6 +463,17 @@ ERRORS = {
     "mask": (ValueError, ["rank 1", "key_padding_mask must be bool of shape (B, S_local) = (2, 4)", "(2, 5)"]),
     "mask_presence": (DisagreementError, ["key_padding_mask presence", "rank 0: True"]),
     "qkv": (ValueError, ["rank 2", "must agree on batch, sequence and head dim"]),
+    "no_layout": (TypeError, ["missing 1 required keyword-only argument: 'layout'"]),
+    "unknown_layout": (ValueError, ["layout=None: use one of ['bhsd', 'bshd']"]),
+    "layout": (DisagreementError, ["ranks disagree on layout", "rank 0: bshd", "ranks [1, 2, 3]: bhsd"]),
+    "dtensor_layout": (
+        ValueError,
+        ["layout='bhsd' reads the sequence on dim 2, the DTensor q is sharded on dim 1 (Shard(dim=1),)"],
+    ),
+    "dtensor_layout_one_rank": (
+        ValueError,
+        ["rank 2", "layout='bshd' reads the sequence on dim 1, the DTensor q is sharded on dim 2 (Shard(dim=2),)"],
+    ),
     "usp_without_axes": (ValueError, ["'cp_ring' and 'cp_ulysses'"]),
     "dtensor_mesh": (ValueError, ["ranks [0, 1, 2, 3]", "cp ranks [3, 2, 1, 0]"]),
 }
