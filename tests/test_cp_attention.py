@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import math
+import typing
 import zlib
 
 import pytest
@@ -477,6 +479,12 @@ ERRORS = {
     "usp_without_axes": (ValueError, ["'cp_ring' and 'cp_ulysses'"]),
     "dtensor_mesh": (ValueError, ["ranks [0, 1, 2, 3]", "cp ranks [3, 2, 1, 0]"]),
 }
+
+
+def test_layout_is_a_required_keyword_naming_its_two_values():
+    layout = inspect.signature(cp_attention).parameters["layout"]
+    assert layout.kind is inspect.Parameter.KEYWORD_ONLY and layout.default is inspect.Parameter.empty
+    assert typing.get_type_hints(cp_attention)["layout"] == typing.Literal["bhsd", "bshd"]
 
 
 def misuses(kinds):

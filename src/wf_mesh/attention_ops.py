@@ -232,8 +232,9 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
 
 
 class RingAttention(torch.autograd.Function):
-    """Blockwise attention of q against every ring rank's k, v block; backward without recomputing the
-    forward (it keeps out and lse), dK/dV travelling the ring back to their owners."""
+    """Blockwise attention of q ``(B, H, S_q, D)`` against every ring rank's k, v block ``(B, Hkv, S_j, D)``
+    (the engine's one layout; :func:`wf_mesh.attention.cp_attention` hands it bhsd views); backward without
+    recomputing the forward (it keeps out and lse), dK/dV travelling the ring back to their owners."""
 
     @staticmethod
     def forward(ctx, q, k, v, pad, plan: RingPlan):
@@ -337,8 +338,8 @@ def gather_mask(pad: torch.Tensor, group: dist.ProcessGroup, lengths: list[int])
 
 # ---- all-gather (the baseline) ---------------------------------------------------------------------------
 class GatherKV(torch.autograd.Function):
-    """k, v shards -> every rank's, each padded to the longest shard: one all-gather; backward one
-    reduce-scatter. Outputs are ``(B, Hkv, n * longest, D)`` views of one ``(S, 2, B, Hkv, D)`` buffer."""
+    """k, v shards ``(B, Hkv, S_r, D)`` -> every rank's, each padded to the longest shard: one all-gather;
+    backward one reduce-scatter. Outputs are ``(B, Hkv, n * longest, D)`` views of one ``(S, 2, B, Hkv, D)`` buffer."""
 
     @staticmethod
     def forward(ctx, k, v, group, longest):
