@@ -130,7 +130,7 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
 
     def step(method):
         q.grad = k.grad = v.grad = None
-        out = cp_attention(q, k, v, method=method, mesh=meshes[method], causal=causal, balance=balance)
+        out = cp_attention(q, k, v, layout="bhsd", method=method, mesh=meshes[method], causal=causal, balance=balance)
         out.backward(dout)
         return out
 
@@ -143,7 +143,7 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
         q.grad = k.grad = v.grad = None
         fwd = Traffic(kv_numel=k.numel())
         with fwd.mode:
-            out = cp_attention(q, k, v, method=method, mesh=mesh, causal=causal, balance=balance)
+            out = cp_attention(q, k, v, layout="bhsd", method=method, mesh=mesh, causal=causal, balance=balance)
         held = fwd.kv_bytes
         bwd = Traffic(kv_numel=k.numel())
         with bwd.mode:

@@ -98,6 +98,7 @@ def check_world(seq: int, device: str = "cuda") -> list[dict]:
                     leaves = [shard(x, 2).clone().requires_grad_() for x in (q, k, v)]
                     out = cp_attention(
                         *leaves,
+                        layout="bhsd",
                         method=method,
                         mesh=pm,
                         causal=causal,
@@ -123,7 +124,7 @@ def _fwd_bwd_time_and_memory(seq: int, dtype: torch.dtype, force_math: bool) -> 
     pm = wf_mesh.get_parallel_mesh()
 
     def step():
-        out = cp_attention(*leaves, mesh=pm, causal=True)
+        out = cp_attention(*leaves, layout="bhsd", mesh=pm, causal=True)
         out.backward(dout)
 
     with sdpa_kernel([SDPBackend.MATH] if force_math else FUSED_AND_MATH), warnings.catch_warnings():

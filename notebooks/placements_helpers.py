@@ -156,7 +156,7 @@ def attention_shards(seq_len: int = 30, heads: int = 4, cp: int = 4, cp_ulysses:
     errors = {}
     for method in ("ring", "ulysses", "usp", "allgather"):
         shards = [wf_mesh.shard_sequence(t, seq_dim=2).detach().requires_grad_() for t in (q, k, v)]
-        out = wf_mesh.cp_attention(*shards, method=method)
+        out = wf_mesh.cp_attention(*shards, layout="bhsd", method=method)
         full = wf_mesh.gather_sequence(out, seq_dim=2)
         errors[method] = (full - want).abs().max().item()
     return {

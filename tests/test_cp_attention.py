@@ -4,8 +4,8 @@
 Every world size runs its whole case list in ONE ``run_distributed`` call (session fixtures); the tests then
 look up their case. References are computed here in fp64 from the same inputs.
 
-Tolerances: fp32 results within 1e-5 (abs + rel) of the fp64 reference. bf16 within 3e-2 and fp16 within
-5e-3 (abs + rel): bf16 keeps 8 significant bits (rounding 2^-9 ~ 2e-3 relative per value), fp16 11 (2^-12), and
+Tolerances: float64 results within 1e-10 and fp32 within 1e-5 (abs + rel) of the fp64 reference. bf16 within
+3e-2 and fp16 within 5e-3 (abs + rel): bf16 keeps 8 significant bits (rounding 2^-9 ~ 2e-3 relative per value), fp16 11 (2^-12), and
 the kernels round q.k products, probabilities and each block's partial output to the input dtype before the
 fp32 merge; single-process SDPA in those dtypes stays within half of each bound on these shapes (asserted, so
 that the bounds stay meaningful).
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import math
+import typing
 import zlib
 
 import pytest
@@ -46,7 +48,7 @@ from wf_mesh.sizing import chunk_sizes
 from wf_mesh.testing import c10d_ops, run_distributed
 
 USP = ("cp_ring", "cp_ulysses")
-TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
+TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
 
 
 def c10d_counter():
@@ -102,6 +104,9 @@ def cases_for(world):
                 Case(seq=even, causal=True, balance="zigzag", pad=True, **{**base, "kv_heads": 1}),
                 Case(seq=even, causal=True, dtype="bfloat16", **base),
                 Case(seq=uneven, causal=True, balance="zigzag", dtype="float16", **base),
+                # float64 end to end (statistics, merges and the travelling dK/dV in float64)
+                Case(seq=even, layout="bshd", dtype="float64", **base),
+                Case(seq=uneven, causal=True, balance="zigzag", pad=True, dtype="float64", **{**base, "kv_heads": 2}),
             ]
         else:  # trailing ranks without tokens: chunk sizes 4 x 6 + 1 + 0
             out.append(Case(seq=25, causal=True, layout="bshd", **base))
@@ -325,12 +330,79 @@ def test_dtensor_in_dtensor_out(world_results):
             assert list(r["global_shape"]) == shape
 
 
+# ---- float64: gradcheck through the whole distributed call --------------------------------------------
+GRADCHECKS = {
+    2: [("ring", None), ("ulysses", None), ("allgather", None), ("usp", (1, 2)), ("usp", (2, 1))],
+    4: [("usp", (2, 2))],
+}
+
+
+class ChunkOfReplicated(torch.autograd.Function):
+    """The same full tensor on every rank -> this rank's ``torch.chunk`` along the sequence (dim 2); backward
+    all-gathers the chunks' gradients: the gradient of a replicated input is the sum of every rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(group.size(), dim=2)[group.rank()].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(ctx.group.size())]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=2), None
+
+
+class GatherChunks(torch.autograd.Function):
+    """Every rank's chunk (dim 2) -> the full tensor on every rank; backward: this rank's chunk of the (same on
+    every rank) gradient. (DTensor's own redistribute backward does not take gradcheck's undefined gradients.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size(), dim=2)[ctx.group.rank()], None
+
+
+def gradchecks(variants):
+    """``torch.autograd.gradcheck`` of the full sequence's attention computed by cp_attention (causal, GQA,
+    float64): every rank holds the same full q, k, v, takes its shard and gathers the output; gradcheck
+    perturbs the same elements in the same order on every rank, so every rank makes the same calls."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+    group = pm.group("cp")
+    g = torch.Generator().manual_seed(3)
+    n = group.size()
+    q = torch.randn(1, 4, 2 * n, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 2 * n, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    results = []
+    for method, usp in variants:
+        mesh = init_device_mesh("cpu", usp, mesh_dim_names=USP) if usp else pm
+
+        def attention(q, k, v, method=method, mesh=mesh):
+            shards = [ChunkOfReplicated.apply(x, group) for x in (q, k, v)]
+            out = cp_attention(*shards, method=method, mesh=mesh, layout="bhsd", causal=True)
+            return GatherChunks.apply(out, group)
+
+        results.append(torch.autograd.gradcheck(attention, (q, k, v), atol=1e-8, rtol=1e-6))
+    return results
+
+
+@pytest.mark.parametrize("world", sorted(GRADCHECKS))
+def test_gradcheck_in_float64(world):
+    assert run_distributed(world, gradchecks, GRADCHECKS[world]) == [[True] * len(GRADCHECKS[world])] * world
+
+
 # ---- errors: raised on every rank, naming the values ---------------------------------------------------
 def misuse(pm, kind):
     rank = pm.rank("cp")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 4, 8, generator=g) for _ in range(3))  # 4 tokens per rank
-    kwargs = {}
+    kwargs = {"layout": "bhsd"}
     if kind == "method":
         kwargs["method"] = "ulysses" if rank == 1 else "ring"
     elif kind == "unknown_method":
@@ -341,6 +413,12 @@ def misuse(pm, kind):
         q, k, v = (x[:, :, :3] if rank == 0 else x for x in (q, k, v))
     elif kind == "dtype":
         q, k, v = (x.to(torch.bfloat16) if rank == 3 else x for x in (q, k, v))
+    elif kind == "int_dtype":  # no path computes attention in these dtypes: refused before any data moves
+        q, k, v = (x.to(torch.int64) for x in (q, k, v))
+    elif kind == "float8_dtype":
+        q, k, v = (x.to(torch.float8_e4m3fn) if rank == 0 else x for x in (q, k, v))
+    elif kind == "complex_dtype":
+        q, k, v = (x.to(torch.complex128) if rank == 1 else x for x in (q, k, v))
     elif kind == "heads":
         q, k, v = (torch.randn(2, 6, 4, 8, generator=g) for _ in range(3))
         kwargs["method"] = "ulysses"
@@ -356,6 +434,17 @@ def misuse(pm, kind):
     elif kind == "dtensor_mesh":
         q, k, v = (sequence_dtensor(x, 2, (2, 4, 16, 8), mesh=pm) for x in (q, k, v))
         kwargs["mesh"] = DeviceMesh("cpu", torch.tensor([3, 2, 1, 0]))  # the same ranks, another order
+    elif kind == "no_layout":  # no default: the layout is always said
+        del kwargs["layout"]
+    elif kind == "unknown_layout":
+        kwargs["layout"] = None
+    elif kind == "layout":
+        kwargs["layout"] = "bshd" if rank == 0 else "bhsd"
+    elif kind == "dtensor_layout":  # (B, S, H, D) DTensors sharded on their sequence dim 1, called as bhsd
+        q, k, v = (sequence_dtensor(x.transpose(1, 2), 1, (2, 16, 4, 8), mesh=pm) for x in (q, k, v))
+    elif kind == "dtensor_layout_one_rank":  # (B, H, S, D) DTensors; rank 2 says bshd
+        q, k, v = (sequence_dtensor(x, 2, (2, 4, 16, 8), mesh=pm) for x in (q, k, v))
+        kwargs["layout"] = "bshd" if rank == 2 else "bhsd"
     try:
         cp_attention(q, k, v, **kwargs)
     except Exception as exc:
@@ -369,13 +458,33 @@ ERRORS = {
     "causal": (DisagreementError, ["ranks disagree on causal", "rank 2: True"]),
     "lengths": (ShapeMismatchError, ["seq shards inconsistent with the mesh", "[3, 4, 4, 4]", "gives [4, 4, 4, 3]"]),
     "dtype": (ShapeMismatchError, ["ranks disagree on dtype", "rank 3: torch.bfloat16"]),
+    "int_dtype": (TypeError, ["one floating dtype of", "torch.float64", "got torch.int64"]),
+    "float8_dtype": (TypeError, ["rank 0", "one floating dtype of", "got torch.float8_e4m3fn"]),
+    "complex_dtype": (TypeError, ["rank 1", "one floating dtype of", "got torch.complex128"]),
     "heads": (ValueError, ["6 query heads are not divisible by the Ulysses size 4"]),
     "mask": (ValueError, ["rank 1", "key_padding_mask must be bool of shape (B, S_local) = (2, 4)", "(2, 5)"]),
     "mask_presence": (DisagreementError, ["key_padding_mask presence", "rank 0: True"]),
     "qkv": (ValueError, ["rank 2", "must agree on batch, sequence and head dim"]),
+    "no_layout": (TypeError, ["missing 1 required keyword-only argument: 'layout'"]),
+    "unknown_layout": (ValueError, ["layout=None: use one of ['bhsd', 'bshd']"]),
+    "layout": (DisagreementError, ["ranks disagree on layout", "rank 0: bshd", "ranks [1, 2, 3]: bhsd"]),
+    "dtensor_layout": (
+        ValueError,
+        ["layout='bhsd' reads the sequence on dim 2, the DTensor q is sharded on dim 1 (Shard(dim=1),)"],
+    ),
+    "dtensor_layout_one_rank": (
+        ValueError,
+        ["rank 2", "layout='bshd' reads the sequence on dim 1, the DTensor q is sharded on dim 2 (Shard(dim=2),)"],
+    ),
     "usp_without_axes": (ValueError, ["'cp_ring' and 'cp_ulysses'"]),
     "dtensor_mesh": (ValueError, ["ranks [0, 1, 2, 3]", "cp ranks [3, 2, 1, 0]"]),
 }
+
+
+def test_layout_is_a_required_keyword_naming_its_two_values():
+    layout = inspect.signature(cp_attention).parameters["layout"]
+    assert layout.kind is inspect.Parameter.KEYWORD_ONLY and layout.default is inspect.Parameter.empty
+    assert typing.get_type_hints(cp_attention)["layout"] == typing.Literal["bhsd", "bshd"]
 
 
 def misuses(kinds):

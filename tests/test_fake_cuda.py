@@ -79,7 +79,7 @@ def test_the_math_kernel_is_what_the_quadratic_check_catches(meshes, monkeypatch
     monkeypatch.setattr(attention_kernels, "_warned", set())  # it warns once per process and reason
     with pytest.warns(RuntimeWarning, match=r"dtype torch.float64"), fake_cuda() as recorder:
         q = cuda(1, HEADS, S, HEAD_DIM, dtype=torch.float64)
-        cp_attention(q, q, q, mesh=meshes["cp"], causal=True)
+        cp_attention(q, q, q, layout="bhsd", mesh=meshes["cp"], causal=True)
     assert recorder.names("attention") == set()
     caught = {op.name for op in recorder.quadratic(S)}
     assert {"aten.bmm.default", "aten.exp.default"} <= caught, caught  # the scores and probabilities

@@ -284,8 +284,8 @@ def flash_attention_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of CPU tensors ``(B, H, S, D)`` (the flash kernel of SDPA).
 
-    ``lse`` is fp32 ``(B, H, Sq)`` whatever the input dtype. ``bias``: additive float mask in q's dtype,
-    broadcastable to ``(B, H, Sq, Sk)``. k/v may have fewer heads than q (grouped as ``enable_gqa=True``).
+    ``lse`` is ``(B, H, Sq)``, fp32 (float64 for float64 inputs: its backward then needs a float64 lse).
+    ``bias``: additive float mask in q's dtype, broadcastable to ``(B, H, Sq, Sk)``. k/v may have fewer heads than q (grouped as ``enable_gqa=True``).
     Quirks the caller handles: a row whose keys are all masked gets out 0 and lse 0 (not -inf), and a
     key length of 0 crashes the process (SIGFPE).
 

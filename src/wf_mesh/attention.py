@@ -12,7 +12,8 @@ method     communication per call (forward; backward)       peak extra K/V (forw
 ring       ``n-1`` hops of k, v (+mask) by P2P, each        ``min(2, n-1)`` blocks   none (any heads, GQA,
            posted before the current block is computed;     (the one received last   uneven, causal, zigzag)
            backward: the same ``n-1`` hops, and ``n``        + the one in flight):
-           hops of fp32 dK, dV back to their owners         ``2/n`` of the full K/V
+           hops of dK, dV (accumulation dtype) back         ``2/n`` of the full K/V
+           to their owners
 ulysses    4 ``all_to_all_single`` (q, k, v in, out back;  the whole sequence of    q heads divisible by
            +1 for the mask); backward 4                     ``H/n`` heads: ``1/n``   ``n`` (GQA: see below)
 usp        Ulysses inside ``cp_ulysses`` (4 all-to-all),    the all-to-all output    q heads divisible by U;
@@ -22,8 +23,8 @@ allgather  1 all-gather of k, v (+1 mask); backward 1       the full K/V (padded
            reduce-scatter of dK, dV                         ``n`` x longest shard)   ("today's pattern")
 =========  ===============================================  =======================  ========================
 
-Backward holds, besides the saved inputs, the same K/V blocks plus the dK/dV blocks in flight (fp32). What
-is kept from forward to backward: ring only its local k, v, out and the fp32 lse; ulysses/usp the head
+Backward holds, besides the saved inputs, the same K/V blocks plus the dK/dV blocks in flight (accumulation
+dtype). What is kept from forward to backward: ring only its local k, v, out and the lse; ulysses/usp the head
 shards of q, k, v (``1/n`` of the full K/V); allgather the full K/V.
 
 Every call first runs one :func:`~wf_mesh.agreement.agree` exchange (one small all-gather on the cp group):
@@ -39,12 +40,16 @@ the queries are skipped): with contiguous shards the last rank does ``2n-1`` tim
 zigzag gives every rank the same amount. (Ulysses attends over the whole sequence on every rank, so its
 work is balanced either way.)
 
-Precision: softmax statistics (row max / log-sum-exp), the merge of partial results and the ring's
-travelling dK/dV are fp32 whatever the input dtype; the output is cast to the input dtype once.
+Precision: softmax statistics (log-sum-exp), the merge of partial results, the gradient accumulators and
+the ring's travelling dK/dV are in the accumulation dtype, ``torch.promote_types(dtype, float32)``: fp32 for
+fp32/bf16/fp16 inputs, float64 for float64 (float64 end to end: every method equals float64 SDPA to 1e-10,
+forward and backward, and ``torch.autograd.gradcheck`` passes through a distributed call). The output is cast
+to the input dtype once. Other dtypes (integer, complex, float8) are refused on every rank before data moves.
 Local attention runs a fused SDPA kernel with log-sum-exp output, picked per call by
 :func:`wf_mesh.attention_kernels.choose_kernel`: on CUDA flash (no key padding), memory-efficient (key padding
-as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel. The fp32 math kernel, which materializes
-each block's scores, is the last resort and warns once naming why (dtype, head dim, mask kind, disabled).
+as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel (float64 included). The math kernel,
+which materializes each block's scores, is the last resort and warns once naming why (dtype, head dim, mask
+kind, disabled): on CUDA that is every float64 call (no fused CUDA kernel takes float64).
 
 Key padding: ``key_padding_mask`` is bool ``(B, S_local)`` for this rank's keys, True = padding (the
 ``nn.MultiheadAttention`` convention); it travels with its K/V block. A query row whose keys are all
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -88,10 +94,15 @@ from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.mesh import ParallelMesh, device_mesh_ranks, get_parallel_mesh
 from wf_mesh.sizing import chunk_sizes
 
-__all__ = ["CPSelfAttention", "cp_attention", "zigzag_gather", "zigzag_shard", "zigzag_sizes"]
+__all__ = ["CPSelfAttention", "Layout", "cp_attention", "zigzag_gather", "zigzag_shard", "zigzag_sizes"]
+
+Layout = Literal["bhsd", "bshd"]
+"""How q, k, v and the output are laid out: ``(B, H, S, D)`` (SDPA's) or ``(B, S, H, D)`` (flash-attn's and
+diffusers' processors')."""
 
 METHODS = ("ring", "ulysses", "usp", "allgather")
-LAYOUTS = ("bhsd", "bshd")
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+_SEQ_DIM = {"bhsd": 2, "bshd": 1}
 BALANCES = (None, "zigzag")
 USP_DIMS = ("cp_ring", "cp_ulysses")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -170,7 +181,7 @@ def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_
         raise ValueError(f"balance={balance!r}: use None or 'zigzag'")
     tensors = (q, k, v, pad)
     if isinstance(q, DTensor):
-        tensors = _unwrap(*tensors, 1 if layout == "bshd" else 2, balance, mesh, group_mesh)
+        tensors = _unwrap(*tensors, layout, balance, mesh, group_mesh)
     lq, lk, lv, lpad = tensors
     _check_local(lq, lk, lv, lpad, layout)
     batch, length, q_heads, head_dim = _dims(lq, layout)
@@ -232,9 +243,9 @@ def cp_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    layout: Layout,
     method: str = "ring",
     mesh: MeshArg = None,
-    layout: str = "bhsd",
     causal: bool = False,
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
@@ -246,11 +257,14 @@ def cp_attention(
         q, k, v: this rank's shards, ``(B, H, S_r, D)`` (``layout="bhsd"``) or ``(B, S_r, H, D)`` (``"bshd"``);
             k and v may have fewer heads (GQA, see the module docstring). Plain tensors, or DTensors placed
             ``Shard(seq_dim)`` on the 1-D cp mesh (the output is then such a DTensor too).
+        layout: required: ``"bhsd"`` or ``"bshd"``, the layout of q, k, v and the output. There is no default:
+            a ``(B, S, H, D)`` shard read as ``(B, H, S, D)`` takes its heads for tokens, and at cp 2 with 2
+            heads that even passes the shard-length check (wrong values, no error). DTensor inputs must be
+            sharded on the layout's sequence dim (else ValueError naming both).
         method: ``"ring"``, ``"ulysses"``, ``"usp"`` or ``"allgather"`` (module docstring).
         mesh: a ParallelMesh (its ``cp`` axis; for usp its ``cp_ring`` and ``cp_ulysses`` axes), a 1-D cp
             DeviceMesh, a 2-D DeviceMesh named ``("cp_ring", "cp_ulysses")`` (cp rank = ring * U + ulysses),
             or None: the DTensor inputs' mesh, else the current ParallelMesh.
-        layout: ``"bhsd"`` or ``"bshd"``, the layout of q, k, v and the output.
         causal: each query sees the keys at the same or an earlier GLOBAL position.
         scale: softmax scale, default ``1/sqrt(D)``.
         key_padding_mask: bool ``(B, S_r)`` for this rank's keys, True = padding (ignored keys).
@@ -263,7 +277,9 @@ def cp_attention(
         DisagreementError: ranks that differ in method, layout, causal, scale, balance or mask presence.
         ShapeMismatchError: ranks that differ in batch, heads, head dim or dtype, or shard lengths that are
             not the chunk (or zigzag) sizes of their sum.
-        ValueError, TypeError: a bad argument on any rank (heads not divisible by the Ulysses size, ...).
+        ValueError, TypeError: a bad argument on any rank (heads not divisible by the Ulysses size, DTensors
+            sharded on another dim than the layout's sequence dim, a dtype no kernel takes, ...).
+        TypeError: (from Python, on the ranks that make the call) no ``layout=``.
 
     Every error is raised on every cp rank, before any data moves.
     """
@@ -280,7 +296,7 @@ def cp_attention(
     out = _run(call, group_mesh, lengths)
     if not isinstance(q, DTensor):
         return out
-    seq_dim = 1 if layout == "bshd" else 2
+    seq_dim = _SEQ_DIM[layout]
     global_shape = list(out.shape)
     global_shape[seq_dim] = sum(lengths)
     return sequence_dtensor(out, seq_dim, tuple(global_shape), mesh=q.device_mesh)
@@ -315,16 +331,24 @@ def _check_local(q, k, v, pad, layout) -> None:
         )
 
 
-def _unwrap(q, k, v, pad, seq_dim, balance, mesh, group_mesh):
-    """Local tensors of DTensor inputs, after checking their placement and mesh."""
+def _unwrap(q, k, v, pad, layout, balance, mesh, group_mesh):
+    """Local tensors of DTensor inputs, after checking their placement (the layout's sequence dim) and mesh."""
+    seq_dim = _SEQ_DIM[layout]
     if balance is not None:
         raise ValueError("DTensor inputs are torch.chunk shards (Shard); zigzag shards must be plain tensors")
     q_ranks = device_mesh_ranks(q.device_mesh)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, DTensor):
             raise TypeError(f"q is a DTensor but {name} is a {type(x).__name__}: pass all three as DTensors or none")
-        if tuple(x.placements) != (Shard(seq_dim),):
-            raise ValueError(f"{name} must be placed (Shard({seq_dim}),) (the sequence dim), got {tuple(x.placements)}")
+        placements = tuple(x.placements)
+        if placements != (Shard(seq_dim),):
+            sharded = placements[0].dim if len(placements) == 1 and isinstance(placements[0], Shard) else None
+            if sharded is not None:  # a Shard on another dim: the layout and the DTensor read the sequence apart
+                raise ValueError(
+                    f"layout={layout!r} reads the sequence on dim {seq_dim}, the DTensor {name} is sharded on dim "
+                    f"{sharded} {placements}: pass the layout of the tensors, or shard them on dim {seq_dim}"
+                )
+            raise ValueError(f"{name} must be placed (Shard({seq_dim}),) (the sequence dim), got {placements}")
         if device_mesh_ranks(x.device_mesh) != q_ranks:
             raise ValueError(f"q and {name} live on different meshes")
     if mesh is not None and device_mesh_ranks(group_mesh) != q_ranks:

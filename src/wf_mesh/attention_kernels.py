@@ -1,8 +1,9 @@
 """Which kernel computes one (query rows, key block) pair of context-parallel attention, and the call itself.
 
-CP attention needs, for each pair, ``(out, lse)`` with the fp32 row log-sum-exp (to merge partial results
-over key blocks) and a backward that takes the MERGED out and lse of the whole key range (so that each block's
-probabilities are its exact share of the full softmax, as in ring attention). The fused SDPA kernels do both;
+CP attention needs, for each pair, ``(out, lse)`` with the row log-sum-exp (to merge partial results over key
+blocks; fp32, float64 for float64 inputs: :func:`accumulation_dtype`) and a backward that takes the MERGED out
+and lse of the whole key range (so that each block's probabilities are its exact share of the full softmax, as
+in ring attention). The fused SDPA kernels do both;
 :func:`choose_kernel` picks one per call, in the order torch's SDPA prefers them:
 
 ===========  ==============================  ==========================================================
@@ -17,7 +18,8 @@ cudnn        CUDA, sm80+                     float16/bfloat16, head dim <= 128, 
                                              when flash and efficient are disabled (``sdpa_kernel``)
 cpu_flash    CPU                             every float dtype, causal, key padding as a ``(B, 1, 1, Sk)``
                                              bias, grouped-query K/V as they are
-math         anywhere (the last resort)      everything; materializes the pair's fp32 ``(Sq, Sk)`` scores
+math         anywhere (the last resort)      everything; materializes the pair's ``(Sq, Sk)`` scores (fp32;
+                                             float64 for float64: the only CUDA kernel for float64)
 ===========  ==============================  ==========================================================
 
 The only masks a pair carries are the key padding mask and the causal mask of two equal position ranges
@@ -44,7 +46,7 @@ import torch
 
 from wf_mesh import _compat
 
-__all__ = ["Kernel", "KernelChoice", "attend", "attend_backward", "choose_kernel"]
+__all__ = ["Kernel", "KernelChoice", "accumulation_dtype", "attend", "attend_backward", "choose_kernel"]
 
 
 class Kernel(enum.Enum):
@@ -143,8 +145,8 @@ def _fallback(reason: str) -> KernelChoice:
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(
-            f"cp_attention: no fused attention kernel for these blocks ({reason}); using the fp32 math kernel, "
-            "which materializes every (query, key) block's scores",
+            f"cp_attention: no fused attention kernel for these blocks ({reason}); using the math kernel "
+            "(fp32, float64 for float64 inputs), which materializes every (query, key) block's scores",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -152,6 +154,12 @@ def _fallback(reason: str) -> KernelChoice:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmax statistics, merged outputs and accumulated gradients for inputs of ``dtype``:
+    float64 for float64 (float64 stays float64 end to end), float32 otherwise."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """K/V with ``heads`` heads (grouped-query heads repeated, as ``enable_gqa=True`` pairs them)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
@@ -253,7 +261,7 @@ def attend_backward(
         dout: the output's gradient, ``(B, H, Sq, D)``.
         q, k, v, pad, causal, scale, kernel: as for :func:`attend`.
         out: the merged output of these query rows over every key block.
-        lse: their merged fp32 log-sum-exp ``(B, H, Sq)``; -inf: the row sees no key anywhere.
+        lse: their merged log-sum-exp (accumulation dtype) ``(B, H, Sq)``; -inf: the row sees no key anywhere.
 
     Returns:
         Gradients shaped like q, k, v (dk, dv with the ``Hkv`` heads of k, v).
@@ -294,12 +302,8 @@ def _allowed(pad: torch.Tensor | None, causal: bool, q_len: int, k_len: int, dev
     return allowed
 
 
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _math_forward(q, k, v, pad, causal, scale):
-    acc, heads = _accumulation(q.dtype), q.shape[1]
+    acc, heads = accumulation_dtype(q.dtype), q.shape[1]
     s = torch.matmul(q.to(acc), _expand_heads(k, heads).to(acc).transpose(-1, -2)) * scale
     allowed = _allowed(pad, causal, q.shape[2], k.shape[2], q.device)
     if allowed is not None:
@@ -310,7 +314,7 @@ def _math_forward(q, k, v, pad, causal, scale):
 
 
 def _math_backward(dout, q, k, v, out, lse, pad, causal, scale):
-    acc, heads, kv_heads = _accumulation(q.dtype), q.shape[1], k.shape[1]
+    acc, heads, kv_heads = accumulation_dtype(q.dtype), q.shape[1], k.shape[1]
     qf, kf, vf, do = q.to(acc), _expand_heads(k, heads).to(acc), _expand_heads(v, heads).to(acc), dout.to(acc)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     allowed = _allowed(pad, causal, q.shape[2], k.shape[2], q.device)

@@ -2,9 +2,9 @@
 
 - which global positions each rank's shard holds (:func:`rank_segments`, contiguous or zigzag);
 - which (query rows, key block) pairs each ring step computes (:meth:`RingPlan.pairs`: only unmasked pairs
-  and aligned causal squares), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its fp32
-  log-sum-exp out, and a backward given the merged output and log-sum-exp of the whole key range), partial
-  results merged by :func:`merge_partial` (online softmax);
+  and aligned causal squares), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its log-sum-exp
+  out, and a backward given the merged output and log-sum-exp of the whole key range), partial results
+  merged by :func:`merge_partial` (online softmax) in the accumulation dtype (fp32; float64 for float64);
 - the ring over K/V blocks as an autograd Function (:class:`RingAttention`): the next block travels while
   this one is computed, dK/dV travel back to their owners; a ring of one is plain blockwise attention;
 - the moves between sequence and head shards (:class:`SeqToHeads`, :class:`HeadsToSeq`: one all-to-all
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wf_mesh.attention_kernels import Kernel, attend, attend_backward
+from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = [
@@ -95,10 +95,12 @@ def concat_segments(blocks: Sequence[list[Segment]], offsets: Sequence[int], pos
 
 # ---- merging the blocks ----------------------------------------------------------------------------------
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Fold a partial result ``(part, part_lse)`` into the running fp32 ``(out, lse)`` in place (online softmax)."""
+    """Fold a partial result ``(part, part_lse)`` into the running ``(out, lse)`` (in their accumulation dtype)
+    in place (online softmax)."""
+    part_lse = part_lse.to(lse.dtype)
     new = torch.logaddexp(lse, part_lse)
     safe = new.masked_fill(new == -math.inf, 0)  # rows with no key so far keep out = 0
-    out.mul_(torch.exp(lse - safe)[..., None]).add_(part.float() * torch.exp(part_lse - safe)[..., None])
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(part.to(out.dtype) * torch.exp(part_lse - safe)[..., None])
     lse.copy_(new)
 
 
@@ -206,7 +208,7 @@ def _forward_block(q, block, j, plan: RingPlan, out, lse) -> None:
 
 
 def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> None:
-    """Add ring block j's share of the gradients to ``dq`` and block j's ``dk``, ``dv`` (fp32)."""
+    """Add ring block j's share of the gradients to ``dq`` and block j's ``dk``, ``dv`` (accumulation dtype)."""
     bk, bv, bpad = block
     for rows, cols, causal in plan.pairs(j):
         qq, kk = q[:, :, rows], bk[:, :, cols]
@@ -230,13 +232,15 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
 
 
 class RingAttention(torch.autograd.Function):
-    """Blockwise attention of q against every ring rank's k, v block; backward without recomputing the
-    forward (it keeps out and lse), dK/dV travelling the ring back to their owners."""
+    """Blockwise attention of q ``(B, H, S_q, D)`` against every ring rank's k, v block ``(B, Hkv, S_j, D)``
+    (the engine's one layout; :func:`wf_mesh.attention.cp_attention` hands it bhsd views); backward without
+    recomputing the forward (it keeps out and lse), dK/dV travelling the ring back to their owners."""
 
     @staticmethod
     def forward(ctx, q, k, v, pad, plan: RingPlan):
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        out = torch.zeros_like(q, dtype=acc)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
         block = (k, v, pad)
         for t in range(plan.size):
             j = (plan.index - t) % plan.size
@@ -254,13 +258,14 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan: RingPlan = ctx.plan
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = accumulation_dtype(q.dtype)  # also of the travelling dK/dV: every ring rank sends and sizes alike
+        dq = torch.zeros_like(q, dtype=acc)
         block, dkv_hop = (k, v, ctx.pad), None
         for t in range(plan.size):
             j = (plan.index - t) % plan.size
             kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-            dk = torch.zeros_like(block[0], dtype=torch.float32)
-            dv = torch.zeros_like(block[1], dtype=torch.float32)
+            dk = torch.zeros_like(block[0], dtype=acc)
+            dv = torch.zeros_like(block[1], dtype=acc)
             _backward_block(dout, q, out, lse, block, j, plan, dq, dk, dv)
             if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
                 got_dk, got_dv = dkv_hop.wait()
@@ -333,8 +338,8 @@ def gather_mask(pad: torch.Tensor, group: dist.ProcessGroup, lengths: list[int])
 
 # ---- all-gather (the baseline) ---------------------------------------------------------------------------
 class GatherKV(torch.autograd.Function):
-    """k, v shards -> every rank's, each padded to the longest shard: one all-gather; backward one
-    reduce-scatter. Outputs are ``(B, Hkv, n * longest, D)`` views of one ``(S, 2, B, Hkv, D)`` buffer."""
+    """k, v shards ``(B, Hkv, S_r, D)`` -> every rank's, each padded to the longest shard: one all-gather;
+    backward one reduce-scatter. Outputs are ``(B, Hkv, n * longest, D)`` views of one ``(S, 2, B, Hkv, D)`` buffer."""
 
     @staticmethod
     def forward(ctx, k, v, group, longest):
