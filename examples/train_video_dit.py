@@ -9,8 +9,10 @@ Parallelism: the world is ``dp x cp`` (``--cp``; dp is inferred). Each step draw
 every rank (a generator seeded by ``--seed`` and the step), each dp rank takes its slice of the batch
 (``torch.tensor_split``: uneven slices allowed), and each cp rank its block of tokens
 (:func:`wf_mesh.plan_video_split`, time first, then height); attention runs over all cp ranks' tokens
-(``--cp-method ring | ulysses | usp | allgather``). The weights are sharded with FSDP2 over the ``dp_cp`` axis
-(cp ranks hold the same weights, so their gradients are summed together with dp's).
+(``--cp-method ring | ulysses | usp | allgather``), with one :func:`wf_mesh.plan_cp_attention` per step
+(``VideoSplit.attention_plan``) for all the blocks: the attention layers issue their data collectives only.
+The weights are sharded with FSDP2 over the ``dp_cp`` axis (cp ranks hold the same weights, so their
+gradients are summed together with dp's).
 
 Exactness: whatever the world size, the gradient every step applies is the gradient of the GLOBAL mean
 loss. Each rank backpropagates ``sum of its squared errors / number of elements in the global batch`` and
@@ -119,8 +121,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, plan: wf_mesh.CPAttentionPlan) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), plan=plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -141,8 +143,9 @@ class TinyVideoDiT(nn.Module):
     def forward(self, tokens, sigma, target, split: wf_mesh.VideoSplit, mesh: wf_mesh.ParallelMesh) -> torch.Tensor:
         pos = split.shard_positions(self.pos, mesh=mesh)  # (S_local, D), this rank's tokens' positions
         x = self.embed(tokens) + pos + self.noise_embed(sigma[:, None])[:, None, :]
+        plan = split.attention_plan(mesh=mesh)  # every rank's token count, agreed once for all the blocks
         for block in self.blocks:
-            x = block(x)
+            x = block(x, plan)
         return (self.head(self.norm(x)) - target).pow(2).sum()
 
 

@@ -23,6 +23,7 @@ LAYERS = {
         "attention",
         "attention_ops",
         "attention_kernels",
+        "attention_plan",
         "log",
         "bootstrap",
         "guidance",

@@ -12,6 +12,7 @@ Context parallel (wf_mesh.context_parallel, wf_mesh.video, wf_mesh.attention):
     shard_sequence / gather_sequence / broadcast_shard   Replicate <-> Shard(seq_dim) on the cp axis
     plan_video_split -> VideoSplit                       time-then-height CP plans for (B, C, T, H, W) latents
     cp_attention, CPSelfAttention                        exact attention over cp shards: ring, ulysses, usp
+    plan_cp_attention -> CPAttentionPlan                 every shard's length agreed once per step (plan=)
     zigzag_shard / zigzag_gather                         the load-balanced layout for causal attention
 
 Shard-local model state for FSDP2 (wf_mesh.ema, wf_mesh.state_sync):
@@ -71,7 +72,9 @@ _EXPORTS: dict[str, str] = {
     "split_branches": "wf_mesh.guidance",
     "shard_sequence": "wf_mesh.context_parallel",
     "VideoSplit": "wf_mesh.video",
+    "CPAttentionPlan": "wf_mesh.attention_plan",
     "CPSelfAttention": "wf_mesh.attention",
+    "plan_cp_attention": "wf_mesh.attention_plan",
     "cp_attention": "wf_mesh.attention",
     "zigzag_gather": "wf_mesh.attention",
     "zigzag_shard": "wf_mesh.attention",

@@ -27,8 +27,11 @@ Backward holds, besides the saved inputs, the same K/V blocks plus the dK/dV blo
 dtype). What is kept from forward to backward: ring only its local k, v, out and the lse; ulysses/usp the head
 shards of q, k, v (``1/n`` of the full K/V); allgather the full K/V.
 
-Every call first runs one :func:`~wf_mesh.agreement.agree` exchange (one small all-gather on the cp group):
-it validates the call on every rank and tells every rank every shard's length.
+Every call on plain tensors first runs one :func:`~wf_mesh.agreement.agree` exchange (one small all-gather on
+the cp group): it validates the call on every rank and tells every rank every shard's length. A plan agreed
+once per step (:func:`~wf_mesh.plan_cp_attention`, ``plan=``) removes it: the call then issues its data
+collectives only, no host sync. DTensor inputs carry the lengths in their global shape: they run the exchange
+only while checks are on.
 
 Which to pick: ``ulysses`` when the heads divide by the cp size and the all-to-all runs on a fast
 intra-node link (least traffic: ``(n-1)/n`` of q, k, v, out once, and a single local attention call);
@@ -89,9 +92,12 @@ from wf_mesh.attention_ops import (
     rank_segments,
     zigzag_segments,
 )
-from wf_mesh.context_parallel import cp_mesh, normalize_dim, sequence_dtensor
+from wf_mesh.attention_plan import BALANCES, METHODS, CPAttentionPlan, MeshArg
+from wf_mesh.attention_plan import cp_of as _cp_of
+from wf_mesh.attention_plan import usp_axes as _usp_axes
+from wf_mesh.context_parallel import normalize_dim, sequence_dtensor
 from wf_mesh.errors import ShapeMismatchError
-from wf_mesh.mesh import ParallelMesh, device_mesh_ranks, get_parallel_mesh
+from wf_mesh.mesh import device_mesh_ranks, get_parallel_mesh
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = ["CPSelfAttention", "Layout", "cp_attention", "zigzag_gather", "zigzag_shard", "zigzag_sizes"]
@@ -100,52 +106,15 @@ Layout = Literal["bhsd", "bshd"]
 """How q, k, v and the output are laid out: ``(B, H, S, D)`` (SDPA's) or ``(B, S, H, D)`` (flash-attn's and
 diffusers' processors')."""
 
-METHODS = ("ring", "ulysses", "usp", "allgather")
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 _SEQ_DIM = {"bhsd": 2, "bshd": 1}
-BALANCES = (None, "zigzag")
-USP_DIMS = ("cp_ring", "cp_ulysses")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-MeshArg = DeviceMesh | ParallelMesh | None
 
 
 # ---- layouts: which global positions each rank holds ----------------------------------------------------
 def zigzag_sizes(length: int, parts: int) -> list[int]:
     """Local lengths of the zigzag layout: rank r holds chunks r and ``2*parts-1-r`` of ``2*parts``."""
     return [sum(s.length for s in segments) for segments in zigzag_segments(length, parts)]
-
-
-# ---- meshes --------------------------------------------------------------------------------------------
-def _cp_of(mesh: MeshArg) -> DeviceMesh:
-    """The 1-D mesh over all cp ranks in cp-rank order; a 2-D ``("cp_ring", "cp_ulysses")`` mesh is flattened
-    (its process group is created once, on the first call, collectively over the mesh's root)."""
-    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
-        if mesh.mesh_dim_names != USP_DIMS:
-            raise ValueError(f"cp_attention: a 2-D mesh must have mesh_dim_names {USP_DIMS}, got {mesh.mesh_dim_names}")
-        return _compat.flatten(mesh, "_".join(USP_DIMS))
-    return cp_mesh(mesh)
-
-
-def _usp_axes(mesh: MeshArg) -> tuple[DeviceMesh, DeviceMesh]:
-    """``(cp_ring, cp_ulysses)`` 1-D meshes of this rank."""
-    if mesh is None:
-        mesh = get_parallel_mesh()
-    if isinstance(mesh, ParallelMesh):
-        try:
-            return mesh["cp_ring"], mesh["cp_ulysses"]
-        except KeyError:
-            raise ValueError(
-                f"method='usp' needs 'cp_ring' and 'cp_ulysses' axes; this ParallelMesh has {list(mesh.axes)} "
-                "(build it with ParallelDims(cp=..., cp_ulysses=...), or pass a 2-D DeviceMesh named "
-                f"{USP_DIMS})"
-            ) from None
-    if mesh.ndim == 2 and mesh.mesh_dim_names == USP_DIMS:
-        return mesh["cp_ring"], mesh["cp_ulysses"]
-    raise ValueError(
-        f"method='usp' needs a ParallelMesh with 'cp_ring' and 'cp_ulysses' axes or a 2-D DeviceMesh named "
-        f"{USP_DIMS}, got a {mesh.ndim}-D mesh named {mesh.mesh_dim_names}"
-    )
 
 
 # ---- the call, validated and agreed --------------------------------------------------------------------
@@ -171,8 +140,9 @@ class _AttentionCall(Facts):
     """``(cp_ring, cp_ulysses)`` for method ``"usp"``."""
 
 
-def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_mesh) -> _AttentionCall:
-    """This rank's checks of a cp_attention call (what only this rank can see), as its record."""
+def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_mesh, plan=None) -> _AttentionCall:
+    """This rank's checks of a cp_attention call (what only this rank can see), as its record (``plan``: its
+    usp axes, already checked against its mesh)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}: use one of {list(METHODS)}")
     if layout not in LAYOUTS:
@@ -189,9 +159,13 @@ def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_
     if method == "ulysses":
         ulysses = group_mesh.size()
     elif method == "usp":
-        usp_axes = _usp_axes(mesh)
+        usp_axes = _usp_axes(mesh) if plan is None else _planned_usp_axes(plan)
         ring_mesh, uly_mesh = usp_axes
-        if mesh is None and device_mesh_ranks(get_parallel_mesh()["cp"]) != device_mesh_ranks(group_mesh):
+        if (
+            plan is None
+            and mesh is None
+            and device_mesh_ranks(get_parallel_mesh()["cp"]) != device_mesh_ranks(group_mesh)
+        ):
             raise ValueError("the DTensors' mesh is not the current ParallelMesh's cp axis")
         if ring_mesh.size() * uly_mesh.size() != group_mesh.size():
             raise ValueError(
@@ -216,6 +190,16 @@ def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_
         tensors=tensors,
         usp_axes=usp_axes,
     )
+
+
+def _planned_usp_axes(plan: CPAttentionPlan) -> tuple[DeviceMesh, DeviceMesh]:
+    if plan.usp_axes is None:
+        raise ValueError(
+            "method='usp' with a plan built on a mesh without 'cp_ring' and 'cp_ulysses' axes: build the plan "
+            "on a ParallelMesh with them (ParallelDims(cp=..., cp_ulysses=...)) or a 2-D DeviceMesh named "
+            "('cp_ring', 'cp_ulysses')"
+        )
+    return plan.usp_axes
 
 
 def _agreed_lengths(agreed: Agreed[_AttentionCall]) -> list[int]:
@@ -250,6 +234,7 @@ def cp_attention(
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     balance: str | None = None,
+    plan: CPAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's query shard against the whole sequence's keys; returns this rank's output shard.
 
@@ -264,11 +249,16 @@ def cp_attention(
         method: ``"ring"``, ``"ulysses"``, ``"usp"`` or ``"allgather"`` (module docstring).
         mesh: a ParallelMesh (its ``cp`` axis; for usp its ``cp_ring`` and ``cp_ulysses`` axes), a 1-D cp
             DeviceMesh, a 2-D DeviceMesh named ``("cp_ring", "cp_ulysses")`` (cp rank = ring * U + ulysses),
-            or None: the DTensor inputs' mesh, else the current ParallelMesh.
+            or None: the plan's mesh, else the DTensor inputs' mesh, else the current ParallelMesh.
         causal: each query sees the keys at the same or an earlier GLOBAL position.
         scale: softmax scale, default ``1/sqrt(D)``.
         key_padding_mask: bool ``(B, S_r)`` for this rank's keys, True = padding (ignored keys).
-        balance: None (``torch.chunk`` shards) or ``"zigzag"`` (shards from :func:`zigzag_shard`).
+        balance: None (``torch.chunk`` shards) or ``"zigzag"`` (shards from :func:`zigzag_shard`); with a
+            plan, None or the plan's.
+        plan: every rank's shard length, agreed once (:func:`~wf_mesh.plan_cp_attention`): the call then
+            issues its data collectives only (no agreement, no host sync). Without one, plain tensors run one
+            agreement exchange per call; DTensor inputs (whose global shape gives the lengths) run it only
+            while checks are on (:func:`wf_mesh.agreement.checks_enabled`).
 
     Returns:
         This rank's shard of the output, in ``layout`` (a ``Shard(seq_dim)`` DTensor for DTensor inputs).
@@ -276,30 +266,65 @@ def cp_attention(
     Raises:
         DisagreementError: ranks that differ in method, layout, causal, scale, balance or mask presence.
         ShapeMismatchError: ranks that differ in batch, heads, head dim or dtype, or shard lengths that are
-            not the chunk (or zigzag) sizes of their sum.
+            not the chunk (or zigzag) sizes of their sum; with a plan or DTensors, a local shard length that
+            is not the planned one (names both).
         ValueError, TypeError: a bad argument on any rank (heads not divisible by the Ulysses size, DTensors
-            sharded on another dim than the layout's sequence dim, a dtype no kernel takes, ...).
+            sharded on another dim than the layout's sequence dim, a dtype no kernel takes, a plan with another
+            mesh or balance, ...).
         TypeError: (from Python, on the ranks that make the call) no ``layout=``.
 
-    Every error is raised on every cp rank, before any data moves.
+    Without a plan every error is raised on every cp rank, before any data moves. With a plan (or DTensors
+    and checks off) there is no exchange: what this rank can check it still checks, and raises on this rank.
     """
+    seq_dim = _SEQ_DIM.get(layout, 2)  # a bad layout is refused by _validate
     with _compat.outside_fake_mode():  # meshes and the agreed facts are host-side: real even under FakeTensorMode
-        group_mesh = q.device_mesh if isinstance(q, DTensor) and mesh is None else _cp_of(mesh)
-        agreed = agree(
-            group_mesh.get_group(),
-            lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
-            what="cp_attention",
-            required=True,
-        )
-    lengths = _agreed_lengths(agreed)
-    call = agreed.mine
+        if plan is not None:
+            group_mesh, mesh, balance = _plan_settings(plan, mesh, balance)
+            call = _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh, plan)
+            plan.check_local_len(call.local_len)
+            lengths = list(plan.lengths)
+        else:
+            group_mesh = q.device_mesh if isinstance(q, DTensor) and mesh is None else _cp_of(mesh)
+            agreed = agree(
+                group_mesh.get_group(),
+                lambda: _validate(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, group_mesh),
+                what="cp_attention",
+                required=not isinstance(q, DTensor),  # DTensors: the global shape gives the lengths
+            )
+            call = agreed.mine
+            if agreed.exchanged:
+                lengths = _agreed_lengths(agreed)
+            else:
+                lengths = chunk_sizes(q.shape[seq_dim], group_mesh.size())
+                _check_dtensor_len(call.local_len, lengths, group_mesh.get_local_rank())
     out = _run(call, group_mesh, lengths)
     if not isinstance(q, DTensor):
         return out
-    seq_dim = _SEQ_DIM[layout]
     global_shape = list(out.shape)
     global_shape[seq_dim] = sum(lengths)
     return sequence_dtensor(out, seq_dim, tuple(global_shape), mesh=q.device_mesh)
+
+
+def _plan_settings(plan: CPAttentionPlan, mesh: MeshArg, balance: str | None):
+    """``(cp mesh, mesh argument, balance)`` of a call with ``plan``, after checking it agrees with them."""
+    if not isinstance(plan, CPAttentionPlan):
+        raise TypeError(f"plan must be a CPAttentionPlan (wf_mesh.plan_cp_attention), got {type(plan).__name__}")
+    if balance is not None and balance != plan.balance:
+        raise ValueError(f"balance={balance!r} contradicts the plan's balance {plan.balance!r}")
+    if mesh is not None and mesh is not plan.source and device_mesh_ranks(_cp_of(mesh)) != device_mesh_ranks(plan.mesh):
+        raise ValueError(
+            f"mesh= (cp ranks {device_mesh_ranks(_cp_of(mesh))}) is not the plan's mesh (cp ranks "
+            f"{device_mesh_ranks(plan.mesh)}); build the plan on the mesh the call uses"
+        )
+    return plan.mesh, plan.source if mesh is None else mesh, plan.balance
+
+
+def _check_dtensor_len(local_len: int, lengths: list[int], rank: int) -> None:
+    if local_len != lengths[rank]:
+        raise ShapeMismatchError(
+            f"cp_attention: this rank's DTensor shard holds {local_len} tokens but its global length "
+            f"{sum(lengths)} gives cp rank {rank} {lengths[rank]} (torch.chunk sizes {lengths})"
+        )
 
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -522,8 +547,9 @@ class CPSelfAttention(nn.Module):
         tokens = patch_embed(split.shard(latent, mesh=pm))             # (B, T'*H'*W, C): this rank's block
         tokens = tokens + split.shard_positions(pos_emb, mesh=pm)      # same token order
         attn = CPSelfAttention(C, heads=16, method="ulysses", mesh=pm)  # or "ring" / "usp"
+        plan = split.attention_plan(mesh=pm)                           # agreed once per step, for all layers
         for _ in range(depth):
-            tokens = tokens + attn(norm(tokens))                       # attention over ALL ranks' tokens
+            tokens = tokens + attn(norm(tokens), plan=plan)            # attention over ALL ranks' tokens
         video = split.gather(unpatch(tokens), mesh=pm)                  # (B, C, T, H, W) on every rank
 
     The shards of ``VideoSplit.shard`` are ``Shard(1)`` of the flattened ``(t h w)`` block sequence, which
@@ -548,7 +574,20 @@ class CPSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, plan: CPAttentionPlan | None = None
+    ) -> torch.Tensor:
+        """This rank's tokens ``(B, S_local, dim)`` attended over every cp rank's tokens.
+
+        Args:
+            x: this rank's tokens.
+            key_padding_mask: bool ``(B, S_local)``, True = padding.
+            plan: the step's :func:`~wf_mesh.plan_cp_attention` (then no agreement per call); its mesh must be
+                the module's.
+
+        Returns:
+            ``(B, S_local, dim)``.
+        """
         b, s, c = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, c // self.heads).unbind(2)
         out = cp_attention(
@@ -561,5 +600,6 @@ class CPSelfAttention(nn.Module):
             causal=self.causal,
             key_padding_mask=key_padding_mask,
             balance=self.balance,
+            plan=plan,
         )
         return self.proj(out.reshape(b, s, c))

@@ -55,6 +55,7 @@ __all__ = [
     "c10d_ops",
     "destroy_subgroups",
     "get_cluster",
+    "host_syncs",
     "process_group_counts",
     "run_distributed",
     "shutdown_clusters",
@@ -457,3 +458,43 @@ def c10d_ops(on_op: Callable[[str, tuple], None]) -> Any:
             return func(*args, **(kwargs or {}))
 
     return C10dOps()
+
+
+HOST_SYNC_OPS = ("_local_scalar_dense",)
+"""aten ops that hand a tensor's value to the host (``.item()``, ``bool(t)``, ``int(t)``): a device-to-host sync."""
+
+
+def host_syncs(on_sync: Callable[[str], None]) -> Any:
+    """A context manager in which ``on_sync(what)`` sees every host sync dispatched on this thread (and in
+    autograd's backward): ``.item()`` / ``bool()`` of a tensor (``aten._local_scalar_dense``) and copies from a
+    non-CPU device to the CPU. ``.tolist()`` is not dispatched: count the collectives it would follow
+    (:func:`c10d_ops`) to see an agreement exchange.
+
+    Args:
+        on_sync: called with the op's name (``"_local_scalar_dense"``, ``"_to_copy cuda->cpu"``, ...).
+
+    Returns:
+        The dispatch mode, to use in a ``with`` statement.
+    """
+    from wf_mesh import _compat
+
+    def to_host(func, args, kwargs) -> bool:
+        name = func.__name__.split(".")[0]
+        if name == "_to_copy":
+            device = kwargs.get("device")
+            return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
+        if name == "copy_":
+            return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+        return False
+
+    class HostSyncs(_compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.__name__.split(".")[0]
+            if name in HOST_SYNC_OPS:
+                on_sync(name)
+            elif to_host(func, args, kwargs):
+                on_sync(f"{name} {args[-1].device.type if name == 'copy_' else args[0].device.type}->cpu")
+            return func(*args, **kwargs)
+
+    return HostSyncs()

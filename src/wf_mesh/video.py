@@ -22,6 +22,7 @@ import torch
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh
 
+from wf_mesh.attention_plan import CPAttentionPlan, plan_cp_attention
 from wf_mesh.context_parallel import GradRule, cp_mesh, gather_sequence, sequence_dtensor
 from wf_mesh.mesh import ParallelMesh
 from wf_mesh.topology import as_int
@@ -119,6 +120,19 @@ class VideoSplit:
         """Every rank's tokens -> the full latent ``(B, C, T, H, W)``: one all-gather (see ``gather_sequence``)."""
         full = gather_sequence(tokens, 1, mesh=self._mesh(mesh), grad=grad)
         return self.from_sequence(full)
+
+    def attention_plan(self, *, mesh: DeviceMesh | ParallelMesh | None = None) -> CPAttentionPlan:
+        """The cp_attention plan of this split's token order (every rank ``local_tokens`` tokens): one agreement
+        exchange (while checks are on); pass it to every attention layer of the step.
+
+        Args:
+            mesh: the cp mesh (as for :meth:`shard`).
+
+        Returns:
+            The :class:`~wf_mesh.CPAttentionPlan` of the ``T*H*W`` token sequence, ``torch.chunk`` shards.
+        """
+        self._mesh(mesh)
+        return plan_cp_attention(self.t * self.h * self.w, mesh=mesh)
 
     def _mesh(self, mesh: DeviceMesh | ParallelMesh | None) -> DeviceMesh:
         mesh = cp_mesh(mesh)

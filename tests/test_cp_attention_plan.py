@@ -1,0 +1,211 @@
+"""One CP-attention plan per step (wf_mesh.attention_plan): with ``plan=`` (or DTensor inputs and checks off)
+cp_attention issues its data collectives only, no agreement exchange and no host sync; the results equal the
+planless call; what contradicts the plan raises naming both.
+
+Counts: ``c10d_counter`` (every c10d op, P2P included) and CommDebugMode; host syncs:
+``wf_mesh.testing.host_syncs`` (``aten._local_scalar_dense`` and device-to-host copies; ``.tolist()`` is not
+dispatched, but the agreement's all-gather in front of it is counted).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+import wf_mesh
+from wf_mesh import agreement
+from wf_mesh.attention import CPSelfAttention, cp_attention, zigzag_shard
+from wf_mesh.context_parallel import sequence_dtensor
+from wf_mesh.errors import DisagreementError, ShapeMismatchError
+from wf_mesh.testing import c10d_ops, host_syncs, run_distributed
+
+from helpers import raised_everywhere, sample
+
+METHODS = ("ring", "ulysses", "usp", "allgather")
+
+
+def counted(fn):
+    """``(result, c10d op counts, CommDebugMode total, host syncs)`` of ``fn()``."""
+    ops, syncs = collections.Counter(), collections.Counter()
+    with (
+        CommDebugMode() as comm,
+        c10d_ops(lambda name, args: ops.update([name])),
+        host_syncs(lambda what: syncs.update([what])),
+    ):
+        out = fn()
+    return out, dict(ops), comm.get_total_counts(), dict(syncs)
+
+
+def _meshes(world):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=world))
+    usp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    return pm, usp
+
+
+def plan_runs(seq, causal, balance, checks):
+    """Per method: the planless and the planned call's outputs and grads, and each one's counts."""
+    world = dist.get_world_size()
+    agreement.set_checks(checks)
+    try:
+        pm, usp = _meshes(world)
+        g = [sample((2, 4, seq, 8), seed=i) for i in range(4)]
+        shard = (
+            (lambda x: zigzag_shard(x, 2, mesh=pm))
+            if balance
+            else (lambda x: wf_mesh.shard_sequence(x, 2, mesh=pm, as_dtensor=False))
+        )
+        results = {}
+        for method in METHODS:
+            mesh = usp if method == "usp" else pm
+            plan = wf_mesh.plan_cp_attention(seq_len=seq, mesh=mesh, balance=balance)
+            per = {}
+            for planned in (False, True):
+                q, k, v = (shard(x).clone().requires_grad_() for x in g[:3])
+                kwargs = dict(method=method, mesh=mesh, layout="bhsd", causal=causal, balance=balance)
+                if planned:
+                    kwargs["plan"] = plan
+                out, fwd, comm_fwd, sync_fwd = counted(lambda: cp_attention(q, k, v, **kwargs))
+                _, bwd, comm_bwd, sync_bwd = counted(lambda: out.backward(shard(g[3])))
+                per[planned] = dict(
+                    out=out.detach(),
+                    grads=[x.grad for x in (q, k, v)],
+                    fwd=fwd,
+                    bwd=bwd,
+                    comm=(comm_fwd, comm_bwd),
+                    syncs=(sync_fwd, sync_bwd),
+                )
+            results[method] = per
+        return results
+    finally:
+        agreement.set_checks(None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("checks", [True, False], ids=["checks_on", "checks_off"])
+def test_a_plan_leaves_only_the_data_collectives(world, checks):
+    seq, causal, balance = (13, True, "zigzag") if world == 4 else (9, False, None)
+    per_rank = run_distributed(world, plan_runs, seq, causal, balance, checks)
+    for rank, results in enumerate(per_rank):
+        for method, per in results.items():
+            planless, planned = per[False], per[True]
+            assert torch.equal(planned["out"], planless["out"]), (rank, method)
+            for a, b in zip(planned["grads"], planless["grads"]):
+                assert torch.equal(a, b), (rank, method)
+            # the planless call runs its agreement (one all-gather); the planned one does not
+            assert planless["fwd"].get("_allgather_base_", 0) == 1 + (method == "allgather")
+            fwd, bwd = collections.Counter(planned["fwd"]), collections.Counter(planned["bwd"])
+            if method == "ring":
+                assert set(fwd) <= {"send", "recv_"} and fwd["send"] > 0, (rank, fwd)
+                assert set(bwd) <= {"send", "recv_"} and bwd["send"] > 0, (rank, bwd)
+            elif method == "ulysses":
+                assert fwd == {"alltoall_base_": 4} and bwd == {"alltoall_base_": 4}, (rank, fwd, bwd)
+            elif method == "usp":  # (2, world // 2): at cp 2 a ring of two with Ulysses of one
+                a2a = {"alltoall_base_"} if world > 2 else set()
+                assert set(fwd) == a2a | {"send", "recv_"} and fwd["alltoall_base_"] == 4 * bool(a2a), fwd
+                assert set(bwd) == a2a | {"send", "recv_"} and bwd["alltoall_base_"] == 4 * bool(a2a), bwd
+            else:
+                assert fwd == {"_allgather_base_": 1} and bwd == {"_reduce_scatter_base_": 1}, (rank, fwd, bwd)
+            assert planned["comm"] == (
+                sum(v for n, v in fwd.items() if n not in ("send", "recv_")),
+                sum(v for n, v in bwd.items() if n not in ("send", "recv_")),
+            )
+            assert planned["syncs"] == ({}, {}), (rank, method, planned["syncs"])
+
+
+def dtensor_runs(checks):
+    """ring and ulysses on DTensor inputs without a plan: counts, and the output against the planless one."""
+    world = dist.get_world_size()
+    agreement.set_checks(checks)
+    try:
+        pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=world))
+        g = [sample((2, 9, 4, 8), seed=i) for i in range(3)]  # bshd, 9 tokens: uneven shards
+        out = {}
+        for method in ("ring", "ulysses", "allgather"):
+            local = [wf_mesh.shard_sequence(x, 1, mesh=pm, as_dtensor=False) for x in g]
+            want = cp_attention(*local, method=method, mesh=pm, layout="bshd")
+            dts = [sequence_dtensor(x, 1, tuple(y.shape), mesh=pm) for x, y in zip(local, g)]
+            got, fwd, _, syncs = counted(lambda: cp_attention(*dts, method=method, layout="bshd"))
+            out[method] = (torch.equal(got.to_local(), want), fwd, syncs)
+        return out
+    finally:
+        agreement.set_checks(None)
+
+
+@pytest.mark.parametrize("checks", [True, False], ids=["checks_on", "checks_off"])
+def test_dtensor_inputs_need_no_plan(checks):
+    data = {"ring": {"send", "recv_"}, "ulysses": {"alltoall_base_"}, "allgather": {"_allgather_base_"}}
+    for rank, results in enumerate(run_distributed(2, dtensor_runs, checks)):
+        for method, (equal, fwd, syncs) in results.items():
+            assert equal, (rank, method)
+            agreement_gathers = fwd.get("_allgather_base_", 0) - (method == "allgather")
+            assert agreement_gathers == (1 if checks else 0), (rank, method, fwd)
+            assert set(fwd) == data[method] | ({"_allgather_base_"} if checks else set()), (rank, method, fwd)
+            assert syncs == {}, (rank, method, syncs)
+
+
+def module_and_video_runs():
+    """CPSelfAttention with and without the VideoSplit's plan: the same output; the plan's counts."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    split = wf_mesh.plan_video_split((1, 8, 4, 4, 2), cp_size=2)
+    plan, _, _, _ = counted(lambda: split.attention_plan(mesh=pm))
+    torch.manual_seed(0)
+    attn = CPSelfAttention(8, heads=2, method="ulysses", mesh=pm)
+    tokens = split.shard(sample((1, 8, 4, 4, 2)), mesh=pm)
+    want = attn(tokens)
+    got, ops, _, syncs = counted(lambda: attn(tokens, plan=plan))
+    return plan.lengths, plan.seq_len, torch.equal(got, want), ops, syncs
+
+
+def test_video_split_hands_out_the_plan_of_its_token_order():
+    for lengths, seq_len, equal, ops, syncs in run_distributed(2, module_and_video_runs):
+        assert (lengths, seq_len) == ((16, 16), 32)
+        assert equal and ops == {"alltoall_base_": 4} and syncs == {}
+
+
+def plan_misuse(kind):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    rank = pm.rank("cp")
+    q = sample((1, 2, 4, 8))
+    try:
+        if kind == "seq_len":
+            wf_mesh.plan_cp_attention(seq_len=8 if rank == 0 else 9, mesh=pm)
+        elif kind == "balance":
+            wf_mesh.plan_cp_attention(seq_len=8, mesh=pm, balance="zigzag" if rank == 1 else None)
+        elif kind == "bad_seq_len":
+            wf_mesh.plan_cp_attention(seq_len=0, mesh=pm)
+        elif kind == "local_len":  # every rank passes 4 tokens of a planned 10-token sequence
+            plan = wf_mesh.plan_cp_attention(seq_len=10, mesh=pm)
+            cp_attention(q, q, q, layout="bhsd", plan=plan)
+        elif kind == "plan_balance":
+            plan = wf_mesh.plan_cp_attention(seq_len=8, mesh=pm)
+            cp_attention(q, q, q, layout="bhsd", plan=plan, balance="zigzag")
+        elif kind == "usp_without_axes":
+            plan = wf_mesh.plan_cp_attention(seq_len=8, mesh=pm)
+            cp_attention(q, q, q, layout="bhsd", method="usp", plan=plan)
+        elif kind == "not_a_plan":
+            cp_attention(q, q, q, layout="bhsd", plan=(4, 4))
+    except Exception as exc:
+        return exc
+    return None
+
+
+PLAN_ERRORS = {
+    "seq_len": (DisagreementError, r"plan_cp_attention: ranks disagree on seq_len \(rank 0: 8; rank 1: 9\)"),
+    "balance": (DisagreementError, r"ranks disagree on balance \(rank 0: None; rank 1: zigzag\)"),
+    "bad_seq_len": (ValueError, r"seq_len"),
+    "local_len": (ShapeMismatchError, r"holds 4 tokens but the plan gives cp rank \d 5 \(seq_len=10"),
+    "plan_balance": (ValueError, r"balance='zigzag' contradicts the plan's balance None"),
+    "usp_without_axes": (ValueError, r"method='usp' with a plan built on a mesh without 'cp_ring'"),
+    "not_a_plan": (TypeError, r"plan must be a CPAttentionPlan .* got tuple"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLAN_ERRORS))
+def test_plan_misuse_raises_on_every_rank(kind):
+    error, match = PLAN_ERRORS[kind]
+    raised_everywhere(run_distributed(2, plan_misuse, kind), error, match)
