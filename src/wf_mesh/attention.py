@@ -122,18 +122,18 @@ def zigzag_sizes(length: int, parts: int) -> list[int]:
 class _AttentionCall(Facts):
     """One rank's cp_attention call: its settings and shapes (exchanged), and the local tensors (kept)."""
 
-    method: str = fact(choices=METHODS)
-    layout: str = fact(choices=LAYOUTS)
     causal: bool
     scale: float
+    batch: int
+    dtype: torch.dtype
+    local_len: int
+    method: str = fact(choices=METHODS)  # fact() fields after the plain ones (dataclass default order)
+    layout: str = fact(choices=LAYOUTS)
     balance: str | None = fact(choices=BALANCES)
     mask: bool = fact(label="key_padding_mask presence")
-    batch: int
     q_heads: int = fact(label="query heads")
     kv_heads: int = fact(label="kv heads")
     head_dim: int = fact(label="head dim")
-    dtype: torch.dtype
-    local_len: int
     tensors: tuple = fact(local=True)
     """``(q, k, v, key_padding_mask)``: local tensors, DTensors unwrapped."""
     usp_axes: tuple[DeviceMesh, DeviceMesh] | None = fact(local=True, default=None)
@@ -142,7 +142,14 @@ class _AttentionCall(Facts):
 
 def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_mesh, plan=None) -> _AttentionCall:
     """This rank's checks of a cp_attention call (what only this rank can see), as its record (``plan``: its
-    usp axes, already checked against its mesh)."""
+    usp axes, already checked against its mesh).
+
+    Returns:
+        This rank's :class:`_AttentionCall`.
+
+    Raises:
+        ValueError: a bad method, layout, balance, mesh, or heads not divisible by the Ulysses size.
+    """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: use one of {list(METHODS)}")
     if layout not in LAYOUTS:
@@ -175,18 +182,18 @@ def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_
     if q_heads % ulysses:
         raise ValueError(f"method={method!r}: {q_heads} query heads are not divisible by the Ulysses size {ulysses}")
     return _AttentionCall(
-        method,
-        layout,
-        bool(causal),
-        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        balance,
-        lpad is not None,
-        batch,
-        q_heads,
-        _dims(lk, layout)[2],
-        head_dim,
-        lq.dtype,
-        length,
+        method=method,
+        layout=layout,
+        causal=bool(causal),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        balance=balance,
+        mask=lpad is not None,
+        batch=batch,
+        q_heads=q_heads,
+        kv_heads=_dims(lk, layout)[2],
+        head_dim=head_dim,
+        dtype=lq.dtype,
+        local_len=length,
         tensors=tensors,
         usp_axes=usp_axes,
     )
@@ -239,9 +246,11 @@ def cp_attention(
     """Attention of this rank's query shard against the whole sequence's keys; returns this rank's output shard.
 
     Args:
-        q, k, v: this rank's shards, ``(B, H, S_r, D)`` (``layout="bhsd"``) or ``(B, S_r, H, D)`` (``"bshd"``);
-            k and v may have fewer heads (GQA, see the module docstring). Plain tensors, or DTensors placed
-            ``Shard(seq_dim)`` on the 1-D cp mesh (the output is then such a DTensor too).
+        q: this rank's query shard, ``(B, H, S_r, D)`` (``layout="bhsd"``) or ``(B, S_r, H, D)`` (``"bshd"``).
+            A plain tensor, or a DTensor placed ``Shard(seq_dim)`` on the 1-D cp mesh (the output is then such
+            a DTensor too; k and v must then be DTensors as well).
+        k: this rank's key shard, laid out as q; it may have fewer heads (GQA, see the module docstring).
+        v: this rank's value shard, shaped as k.
         layout: required: ``"bhsd"`` or ``"bshd"``, the layout of q, k, v and the output. There is no default:
             a ``(B, S, H, D)`` shard read as ``(B, H, S, D)`` takes its heads for tokens, and at cp 2 with 2
             heads that even passes the shard-length check (wrong values, no error). DTensor inputs must be
@@ -414,7 +423,13 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kern
         kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
         core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, kernel)
         return _MethodPlan(core, gather=cp.get_group(), gather_longest=longest)
-    ring, uly = {"ring": (cp, None), "ulysses": (None, cp), "usp": call.usp_axes}[call.method]
+    ring: DeviceMesh | None
+    uly: DeviceMesh | None
+    if call.method == "usp":
+        assert call.usp_axes is not None  # _validate sets them for usp
+        ring, uly = call.usp_axes
+    else:
+        ring, uly = (cp, None) if call.method == "ring" else (None, cp)
     u = uly.size() if uly is not None else 1
     r, ring_size = me // u, n // u
     ring_lengths = [sum(lengths[i * u : (i + 1) * u]) for i in range(ring_size)]
@@ -424,7 +439,7 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kern
     ]
     group = ring.get_group() if ring is not None and ring_size > 1 else None
     core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, kernel)
-    if u == 1:
+    if uly is None or u == 1:
         return _MethodPlan(core)
     return _MethodPlan(
         core,

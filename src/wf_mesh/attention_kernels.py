@@ -75,8 +75,12 @@ _warned: set[str] = set()
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
-    """The device's compute capability; tensors on a device this process cannot reach (fake CUDA tensors on a
-    CPU-only build) count as the newest hardware, so that the choice is the one a GPU would make."""
+    """The device's compute capability.
+
+    Returns:
+        ``(major, minor)``; on a build without CUDA (fake CUDA tensors) ``(9, 0)``, the newest hardware, so
+        that the choice is the one a GPU would make.
+    """
     if torch.cuda.is_available():
         return torch.cuda.get_device_capability(device)
     return (9, 0)
@@ -155,8 +159,11 @@ def _fallback(reason: str) -> KernelChoice:
 
 # ---- helpers --------------------------------------------------------------------------------------------
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of softmax statistics, merged outputs and accumulated gradients for inputs of ``dtype``:
-    float64 for float64 (float64 stays float64 end to end), float32 otherwise."""
+    """The dtype of softmax statistics, merged outputs and accumulated gradients for inputs of ``dtype``.
+
+    Returns:
+        float64 for float64 (float64 stays float64 end to end), float32 otherwise.
+    """
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -178,8 +185,12 @@ def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def _padding_bias(pad: torch.Tensor, dtype: torch.dtype, heads: int, q_len: int, align: int) -> torch.Tensor:
-    """Additive ``-inf`` bias of the padded keys, ``(B, H, Sq, Sk)`` as an expanded view of one ``(B, 1, 1,
-    Sk')`` buffer (``Sk'`` = Sk rounded up to ``align``): ``B * Sk'`` elements, never ``Sq * Sk``."""
+    """Additive ``-inf`` bias of the padded keys.
+
+    Returns:
+        ``(B, H, Sq, Sk)`` as an expanded view of one ``(B, 1, 1, Sk')`` buffer (``Sk'`` = Sk rounded up to
+        ``align``): ``B * Sk'`` elements, never ``Sq * Sk``.
+    """
     b, sk = pad.shape
     buf = torch.zeros(b, 1, 1, sk + (-sk % align), dtype=dtype, device=pad.device)
     bias = buf.narrow(-1, 0, sk)
@@ -188,8 +199,11 @@ def _padding_bias(pad: torch.Tensor, dtype: torch.dtype, heads: int, q_len: int,
 
 
 def _rows_without_keys(pad: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Bool ``(B, 1, Sq|1)``: query rows that see no key of the block (causal: rows i of an aligned square
-    whose keys ``0..i`` are all padding)."""
+    """The query rows that see no key of the block.
+
+    Returns:
+        Bool ``(B, 1, Sq|1)`` (causal: rows i of an aligned square whose keys ``0..i`` are all padding).
+    """
     if causal:
         return (pad.logical_not().cumsum(-1) == 0).unsqueeze(1)
     return pad.all(-1).view(-1, 1, 1)
@@ -209,7 +223,8 @@ def attend(
 
     Args:
         q: ``(B, H, Sq, D)``.
-        k, v: ``(B, Hkv, Sk, D)``, ``H % Hkv == 0`` (query head h uses key head ``h // (H // Hkv)``).
+        k: ``(B, Hkv, Sk, D)``, ``H % Hkv == 0`` (query head h uses key head ``h // (H // Hkv)``).
+        v: like k.
         pad: bool ``(B, Sk)``, True = padding key, or None.
         causal: the causal mask of two equal position ranges (``Sq == Sk``, query i sees keys ``0..i``).
         scale: the softmax scale.
@@ -259,9 +274,15 @@ def attend_backward(
 
     Args:
         dout: the output's gradient, ``(B, H, Sq, D)``.
-        q, k, v, pad, causal, scale, kernel: as for :func:`attend`.
+        q: as for :func:`attend`.
+        k: as for :func:`attend`.
+        v: as for :func:`attend`.
         out: the merged output of these query rows over every key block.
         lse: their merged log-sum-exp (accumulation dtype) ``(B, H, Sq)``; -inf: the row sees no key anywhere.
+        pad: as for :func:`attend`.
+        causal: as for :func:`attend`.
+        scale: as for :func:`attend`.
+        kernel: as for :func:`attend`.
 
     Returns:
         Gradients shaped like q, k, v (dk, dv with the ``Hkv`` heads of k, v).

@@ -487,7 +487,7 @@ def host_syncs(on_sync: Callable[[str], None]) -> Any:
             return args[0].device.type == "cpu" and args[1].device.type != "cpu"
         return False
 
-    class HostSyncs(_compat.dispatch_mode()):
+    class HostSyncs(_compat.dispatch_mode()):  # type: ignore[misc]  # torch's base class, found at run time
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = func.__name__.split(".")[0]
