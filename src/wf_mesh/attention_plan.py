@@ -108,6 +108,9 @@ class CPAttentionPlan:
     """The ``mesh`` argument the plan was built from (cp_attention accepts it, or None, as its ``mesh``)."""
     rank: int = 0
     """This rank's cp rank."""
+    key: str = ""
+    """The plan's contents as a string (groups by name): what a compiled graph is specialized on, so that
+    equal plans of later steps reuse it."""
 
     @property
     def local_len(self) -> int:
@@ -163,13 +166,28 @@ def plan_cp_attention(seq_len: int, *, mesh: MeshArg = None, balance: str | None
             raise ValueError(f"balance={balance!r}: use None or 'zigzag'")
         axes = _usp_axes_or_none(mesh)
         sizes = () if axes is None else (axes[0].size(), axes[1].size())
-        plan = CPAttentionPlan(
-            length, balance, shard_lengths(length, cp.size(), balance), cp, axes, mesh, cp.get_local_rank()
-        )
+        lengths = shard_lengths(length, cp.size(), balance)
+        groups = [m.get_group().group_name for m in (cp, *(axes or ()))]
+        key = repr((groups, lengths, balance, cp.get_local_rank()))
+        plan = CPAttentionPlan(length, balance, lengths, cp, axes, mesh, cp.get_local_rank(), key)
         return _PlanFacts(length, balance, cp.size(), sizes, plan=plan)
 
     agreed = agree(cp.get_group(), facts, what="plan_cp_attention")
     for name in ("seq_len", "balance", "cp", "usp"):
         agreed.require_same(name)
-    assert agreed.mine.plan is not None
-    return agreed.mine.plan
+    plan = agreed.mine.plan
+    assert plan is not None
+    _PLANS[plan.key] = plan
+    return plan
+
+
+_PLANS: dict[str, CPAttentionPlan] = {}
+"""The latest plan of each key (cp_attention's compiled path finds its plan by key)."""
+
+
+def planned(key: str) -> CPAttentionPlan:
+    """The latest plan built with ``key``."""
+    try:
+        return _PLANS[key]
+    except KeyError:
+        raise ValueError(f"no CPAttentionPlan with key {key!r} was built in this process") from None
