@@ -7,6 +7,8 @@ capture and the custom ops' fake and autograd rules) for the matrix; one case ru
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,7 +29,9 @@ def _mesh(pm, method, world):
     return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=USP) if method == "usp" else pm
 
 
-def compiled_vs_eager(method, causal, layout, checks, seqs, inner="aot_eager", dtensor=False, pad=False):
+def compiled_vs_eager(
+    method, causal, layout, checks, seqs, inner="aot_eager", dtensor=False, pad=False, planless=False
+):
     """Per sequence length, 3 steps of eager and compiled: max |difference| of out, dq, dk, dv; the graphs."""
     world = dist.get_world_size()
     agreement.set_checks(checks)
@@ -63,7 +67,7 @@ def compiled_vs_eager(method, causal, layout, checks, seqs, inner="aot_eager", d
                     inputs = leaves
                     if dtensor:
                         inputs = [sequence_dtensor(x, seq_dim, shape, mesh=pm) for x in leaves]
-                    out = fn(*inputs, mask, plan)
+                    out = fn(*inputs, mask, None if planless else plan)
                     if dtensor:
                         out = out.to_local()
                     out.backward(wf_mesh.shard_sequence(g[3], seq_dim, mesh=pm, as_dtensor=False))
@@ -74,17 +78,64 @@ def compiled_vs_eager(method, causal, layout, checks, seqs, inner="aot_eager", d
         agreement.set_checks(None)
 
 
-CASES = [
-    ("ring", True, "bhsd", False),
-    ("ulysses", False, "bshd", True),
-    ("usp", True, "bshd", False),
-    ("allgather", True, "bhsd", True),
+CASES = [  # (method, causal, layout, checks, DTensor inputs, key padding mask)
+    ("ring", True, "bhsd", False, False, False),
+    ("ulysses", False, "bshd", True, False, True),
+    pytest.param("usp", True, "bshd", False, False, False, marks=pytest.mark.slow),  # 4 processes compiling
+    ("allgather", True, "bhsd", True, True, True),
 ]
 
 
-@pytest.mark.parametrize("method,causal,layout,checks", CASES, ids=[c[0] for c in CASES])
-def test_one_graph_equal_to_eager_no_recompile(method, causal, layout, checks):
+@pytest.mark.parametrize("method,causal,layout,checks,dtensor,pad", CASES, ids=["ring", "ulysses", "usp", "allgather"])
+def test_one_graph_equal_to_eager_no_recompile(method, causal, layout, checks, dtensor, pad):
     world = 4 if method == "usp" else 2
-    for diffs, compiles in run_distributed(world, compiled_vs_eager, method, causal, layout, checks, (9, 12)):
+    args = (method, causal, layout, checks, (9, 12))
+    for diffs, compiles in run_distributed(world, compiled_vs_eager, *args, dtensor=dtensor, pad=pad):
         assert max(diffs) < 1e-6, diffs
         assert len(compiles) == 2, compiles  # one graph for 3 steps of 9 tokens, one more for 12 tokens
+
+
+def test_dtensor_inputs_compile_without_a_plan_checks_off():
+    for diffs, compiles in run_distributed(
+        2, compiled_vs_eager, "ulysses", True, "bshd", False, (10,), dtensor=True, pad=True, planless=True
+    ):
+        assert max(diffs) < 1e-6, diffs
+        assert len(compiles) == 1, compiles
+
+
+@pytest.mark.slow  # inductor's C++ compile: ~40 s on a loaded 2-core machine
+def test_inductor_compiles_the_ring():
+    for diffs, compiles in run_distributed(2, compiled_vs_eager, "ring", True, "bhsd", False, (9,), inner="inductor"):
+        assert max(diffs) < 1e-5, diffs
+        assert len(compiles) == 1, compiles
+
+
+def compile_misuse(kind):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    q = sample((1, 2, 4, 8))
+    plan = wf_mesh.plan_cp_attention(seq_len=10, mesh=pm)
+    if kind == "dtensor_checks_on":
+        q = sequence_dtensor(q, 2, (1, 2, 8, 8), mesh=pm)
+
+    def block(x):
+        return cp_attention(x, x, x, layout="bhsd", plan=plan if kind == "local_len" else None)
+
+    try:
+        torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=False)(q)
+    except Exception as exc:
+        return exc
+    return None
+
+
+COMPILE_ERRORS = {
+    "plain_without_plan": r"needs plan= \(wf_mesh.plan_cp_attention\) or DTensor inputs",
+    "dtensor_checks_on": r"with DTensor inputs and checks on: .* pass plan=",
+    "local_len": r"holds 4 tokens but the plan gives cp rank \d 5 \(seq_len=10",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(COMPILE_ERRORS))
+def test_misuse_under_compile_raises_at_trace_time_on_every_rank(kind):
+    outcomes = run_distributed(2, compile_misuse, kind)
+    for rank, exc in enumerate(outcomes):
+        assert exc is not None and re.search(COMPILE_ERRORS[kind], str(exc)), (rank, repr(exc))

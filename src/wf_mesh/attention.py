@@ -72,7 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat
-from wf_mesh.agreement import Agreed, Facts, agree, fact
+from wf_mesh.agreement import Agreed, Facts, agree, checks_enabled, fact
 from wf_mesh.attention_kernels import Kernel, choose_kernel
 from wf_mesh.attention_ops import (
     GatherKV,
@@ -93,9 +93,10 @@ from wf_mesh.attention_ops import (
     seq_to_heads_op,
     zigzag_segments,
 )
-from wf_mesh.attention_plan import BALANCES, METHODS, CPAttentionPlan, MeshArg, planned
+from wf_mesh.attention_plan import BALANCES, METHODS, CPAttentionPlan, MeshArg, dtensor_plan, planned
 from wf_mesh.attention_plan import cp_of as _cp_of
 from wf_mesh.attention_plan import usp_axes as _usp_axes
+from wf_mesh.context_parallel import _contiguous_stride as contiguous_stride
 from wf_mesh.context_parallel import normalize_dim, sequence_dtensor
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.mesh import device_mesh_ranks, get_parallel_mesh
@@ -449,14 +450,16 @@ def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, p
     """cp_attention as dynamo traces it (see the module docstring): the plan and this call's constants give
     the moves (:func:`_compiled_moves`, run eagerly at trace time, validation included); the graph holds only
     the tensor work and the custom ops of :mod:`wf_mesh.attention_ops`."""
-    if plan is None:
-        raise ValueError(
-            "cp_attention under torch.compile needs plan= (wf_mesh.plan_cp_attention): the per-call agreement "
-            "exchange of a planless call is a host sync that cannot be traced"
-        )
-    if mesh is not None and mesh is not plan.source:
-        raise ValueError("cp_attention under torch.compile: pass mesh=None (the plan carries its mesh)")
     dtensor = isinstance(q, DTensor)
+    if plan is None:
+        if mesh is not None:
+            raise ValueError("cp_attention under torch.compile: pass mesh=None (the plan or DTensors carry it)")
+        plan_key = _compiled_dtensor_plan(q.device_mesh if dtensor else None, q.shape[1 if layout == "bshd" else 2])
+        cp = q.device_mesh
+    else:
+        if mesh is not None and mesh is not plan.source:
+            raise ValueError("cp_attention under torch.compile: pass mesh=None (the plan carries its mesh)")
+        plan_key, cp = plan.key, plan.mesh
     if dtensor:
         if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
             raise TypeError("q is a DTensor but k or v is not: pass all three as DTensors or none")
@@ -467,7 +470,7 @@ def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, p
     shapes = tuple(None if x is None else tuple(x.shape) for x in (q, k, v, pad))
     dtypes = tuple(None if x is None else str(x.dtype) for x in (q, k, v, pad))
     ring_key, gather, longest, ulysses, lengths, kv_repeat = _compiled_moves(
-        plan.key, method, layout, bool(causal), scale, balance, shapes, dtypes, str(q.device)
+        plan_key, method, layout, bool(causal), scale, balance, shapes, dtypes, str(q.device)
     )
     seq_major = layout == "bshd"
     if seq_major:
@@ -492,7 +495,26 @@ def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, p
     seq_dim = 1 if seq_major else 2
     global_shape = list(out.shape)
     global_shape[seq_dim] = q_global[seq_dim]
-    return sequence_dtensor(out, seq_dim, tuple(global_shape), mesh=plan.mesh)
+    # DTensor.from_local directly: sequence_dtensor's liveness check of the mesh is host-side, not traceable
+    shape = torch.Size(global_shape)
+    return DTensor.from_local(out, cp, [Shard(seq_dim)], run_check=False, shape=shape, stride=contiguous_stride(shape))
+
+
+@_compat.constant_at_trace
+def _compiled_dtensor_plan(mesh: DeviceMesh | None, seq_len: int) -> str:
+    """The key of the plan DTensor inputs imply (their global length, checks off), for :func:`_compiled_moves`."""
+    if mesh is None:
+        raise ValueError(
+            "cp_attention under torch.compile needs plan= (wf_mesh.plan_cp_attention) or DTensor inputs: the "
+            "per-call agreement exchange of plain tensors is a host sync that cannot be traced"
+        )
+    if checks_enabled():
+        raise ValueError(
+            "cp_attention under torch.compile with DTensor inputs and checks on: their per-call validation "
+            "exchange stays eager and cannot be traced; pass plan= (wf_mesh.plan_cp_attention) or turn checks "
+            "off (WF_MESH_CHECKS=0 / init_parallel(checks=False))"
+        )
+    return dtensor_plan(mesh, seq_len).key
 
 
 @_compat.constant_at_trace
@@ -501,6 +523,7 @@ def _compiled_moves(plan_key, method, layout, causal, scale, balance, shapes, dt
     repeats)`` of a call (group names "" when unused), after this rank's checks of it (on shape-only tensors:
     the same messages as eager)."""
     plan = planned(plan_key)
+    balance = _plan_settings(plan, None, balance)[2]
     with _compat.outside_fake_mode():
         metas = [
             None if s is None else torch.empty(s, dtype=getattr(torch, t[6:]), device="meta")
