@@ -40,6 +40,11 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
   the agreement exchange of CP attention): ``FakeTensorMode`` and ``FakeStore`` live in private modules, and
   host-side metadata (the agreement's rows, read with ``.tolist()``) must be real tensors even while a fake
   mode is active.
+- ``resolve_group`` / ``constant_at_trace`` / ``graph_breaks`` (CP attention under ``torch.compile``): the
+  custom ops of the compiled path take a group by its name, and ``distributed_c10d._resolve_process_group``
+  finds it; ``torch._dynamo.assume_constant_result`` runs the host-side planning eagerly while dynamo traces
+  and bakes its result into the graph; ``torch._dynamo.explain`` counts graph breaks and ``compile_backend`` looks a backend up to wrap it
+  (tests, benchmarks).
 - ``dispatch_mode``: CommDebugMode counts collectives only; counting point-to-point ops too needs a dispatch
   mode, whose base class lives in ``torch.utils._python_dispatch`` (``wf_mesh.testing.c10d_ops`` builds on it).
 """
@@ -493,3 +498,34 @@ def dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+# ---- torch.compile (CP attention's compiled path) ------------------------------------------------------
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group registered under ``name`` (``ProcessGroup.group_name``)."""
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
+
+    return _resolve_process_group(GroupName(name))
+
+
+def constant_at_trace(fn: Any) -> Any:
+    """``fn`` marked so that dynamo calls it eagerly while tracing (its arguments Python constants) and puts
+    its result into the graph as a constant (guarded by those arguments)."""
+    import torch._dynamo
+
+    return torch._dynamo.assume_constant_result(fn)
+
+
+def graph_breaks(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:
+    """``(graphs, graph breaks, reasons)`` of tracing ``fn(*args, **kwargs)`` with dynamo (``torch._dynamo.explain``)."""
+    import torch._dynamo
+
+    out = torch._dynamo.explain(fn)(*args, **kwargs)
+    return out.graph_count, out.graph_break_count, [str(b.reason) for b in out.break_reasons]
+
+
+def compile_backend(name: str) -> Any:
+    """The registered ``torch.compile`` backend ``name`` as a callable (to wrap it, e.g. to count graphs)."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)

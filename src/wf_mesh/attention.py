@@ -78,7 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat
-from wf_mesh.agreement import Agreed, Facts, agree, fact
+from wf_mesh.agreement import Agreed, Facts, agree, checks_enabled, fact
 from wf_mesh.attention_kernels import Kernel, choose_kernel
 from wf_mesh.attention_ops import (
     GatherKV,
@@ -87,14 +87,22 @@ from wf_mesh.attention_ops import (
     RingPlan,
     SeqToHeads,
     concat_segments,
+    gather_kv_op,
     gather_mask,
+    gather_mask_op,
     gather_mask_padded,
+    gather_mask_padded_op,
+    heads_to_seq_op,
     rank_segments,
+    register_ring_plan,
+    ring_attention_op,
+    seq_to_heads_op,
     zigzag_segments,
 )
-from wf_mesh.attention_plan import BALANCES, METHODS, CPAttentionPlan, MeshArg
+from wf_mesh.attention_plan import BALANCES, METHODS, CPAttentionPlan, MeshArg, dtensor_plan, planned
 from wf_mesh.attention_plan import cp_of as _cp_of
 from wf_mesh.attention_plan import usp_axes as _usp_axes
+from wf_mesh.context_parallel import _contiguous_stride as contiguous_stride
 from wf_mesh.context_parallel import normalize_dim, sequence_dtensor
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.mesh import device_mesh_ranks, get_parallel_mesh
@@ -285,6 +293,8 @@ def cp_attention(
     Without a plan every error is raised on every cp rank, before any data moves. With a plan (or DTensors
     and checks off) there is no exchange: what this rank can check it still checks, and raises on this rank.
     """
+    if torch.compiler.is_compiling():
+        return _compiled_call(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, plan)
     seq_dim = _SEQ_DIM.get(layout, 2)  # a bad layout is refused by _validate
     with _compat.outside_fake_mode():  # meshes and the agreed facts are host-side: real even under FakeTensorMode
         if plan is not None:
@@ -472,6 +482,101 @@ def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int]) -> torch.Tens
     if plan.ulysses is not None:
         out = HeadsToSeq.apply(out, plan.ulysses, list(plan.ulysses_lengths), seq_major)
     return out.transpose(1, 2) if seq_major else out
+
+
+# ---- under torch.compile: host-side planning at trace time, custom ops in the graph ---------------------
+def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, plan) -> torch.Tensor:
+    """cp_attention as dynamo traces it (see the module docstring): the plan and this call's constants give
+    the moves (:func:`_compiled_moves`, run eagerly at trace time, validation included); the graph holds only
+    the tensor work and the custom ops of :mod:`wf_mesh.attention_ops`."""
+    dtensor = isinstance(q, DTensor)
+    if plan is None:
+        if mesh is not None:
+            raise ValueError("cp_attention under torch.compile: pass mesh=None (the plan or DTensors carry it)")
+        plan_key = _compiled_dtensor_plan(q.device_mesh if dtensor else None, q.shape[1 if layout == "bshd" else 2])
+        cp = q.device_mesh
+    else:
+        if mesh is not None and mesh is not plan.source:
+            raise ValueError("cp_attention under torch.compile: pass mesh=None (the plan carries its mesh)")
+        plan_key, cp = plan.key, plan.mesh
+    if dtensor:
+        if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
+            raise TypeError("q is a DTensor but k or v is not: pass all three as DTensors or none")
+        q_global = tuple(q.shape)
+        q, k, v = q.to_local(), k.to_local(), v.to_local()
+        if isinstance(pad, DTensor):
+            pad = pad.to_local()
+    shapes = tuple(None if x is None else tuple(x.shape) for x in (q, k, v, pad))
+    dtypes = tuple(None if x is None else str(x.dtype) for x in (q, k, v, pad))
+    ring_key, gather, longest, ulysses, lengths, kv_repeat = _compiled_moves(
+        plan_key, method, layout, bool(causal), scale, balance, shapes, dtypes, str(q.device)
+    )
+    seq_major = layout == "bshd"
+    if seq_major:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if gather:
+        buf = gather_kv_op(k, v, gather, longest)
+        k, v = buf[:, 0].permute(1, 2, 0, 3), buf[:, 1].permute(1, 2, 0, 3)
+        if pad is not None:
+            pad = gather_mask_padded_op(pad, gather, longest)
+    if ulysses:
+        if kv_repeat > 1:
+            k, v = (x.repeat_interleave(kv_repeat, dim=1) for x in (k, v))
+        q, k, v = (seq_to_heads_op(x, ulysses, list(lengths)) for x in (q, k, v))
+        if pad is not None:
+            pad = gather_mask_op(pad, ulysses, list(lengths))
+    out = ring_attention_op(q, k, v, pad, ring_key)[0]
+    if ulysses:
+        out = heads_to_seq_op(out, ulysses, list(lengths), seq_major)
+    out = out.transpose(1, 2) if seq_major else out
+    if not dtensor:
+        return out
+    seq_dim = 1 if seq_major else 2
+    global_shape = list(out.shape)
+    global_shape[seq_dim] = q_global[seq_dim]
+    # DTensor.from_local directly: sequence_dtensor's liveness check of the mesh is host-side, not traceable
+    shape = torch.Size(global_shape)
+    return DTensor.from_local(out, cp, [Shard(seq_dim)], run_check=False, shape=shape, stride=contiguous_stride(shape))
+
+
+@_compat.constant_at_trace
+def _compiled_dtensor_plan(mesh: DeviceMesh | None, seq_len: int) -> str:
+    """The key of the plan DTensor inputs imply (their global length, checks off), for :func:`_compiled_moves`."""
+    if mesh is None:
+        raise ValueError(
+            "cp_attention under torch.compile needs plan= (wf_mesh.plan_cp_attention) or DTensor inputs: the "
+            "per-call agreement exchange of plain tensors is a host sync that cannot be traced"
+        )
+    if checks_enabled():
+        raise ValueError(
+            "cp_attention under torch.compile with DTensor inputs and checks on: their per-call validation "
+            "exchange stays eager and cannot be traced; pass plan= (wf_mesh.plan_cp_attention) or turn checks "
+            "off (WF_MESH_CHECKS=0 / init_parallel(checks=False))"
+        )
+    return dtensor_plan(mesh, seq_len).key
+
+
+@_compat.constant_at_trace
+def _compiled_moves(plan_key, method, layout, causal, scale, balance, shapes, dtypes, device):
+    """``(ring plan key, all-gather group name, longest shard, Ulysses group name, Ulysses lengths, K/V head
+    repeats)`` of a call (group names "" when unused), after this rank's checks of it (on shape-only tensors:
+    the same messages as eager)."""
+    plan = planned(plan_key)
+    balance = _plan_settings(plan, None, balance)[2]
+    with _compat.outside_fake_mode():
+        metas = [
+            None if s is None else torch.empty(s, dtype=getattr(torch, t[6:]), device="meta")
+            for s, t in zip(shapes, dtypes)
+        ]
+        mq, mk, mv, mpad = metas
+        call = _validate(mq, mk, mv, mpad, method, layout, causal, scale, balance, plan.source, plan.mesh, plan)
+        plan.check_local_len(call.local_len)
+        kernel = choose_kernel(torch.device(device), call.dtype, call.head_dim, padded=call.mask).kernel
+        moves = _plan(call, plan.mesh, list(plan.lengths), kernel)
+    if moves.gather is not None:
+        return register_ring_plan(moves.core), moves.gather.group_name, moves.gather_longest, "", (), 1
+    ulysses = "" if moves.ulysses is None else moves.ulysses.group_name
+    return register_ring_plan(moves.core), "", 0, ulysses, moves.ulysses_lengths, moves.kv_repeat
 
 
 # ---- zigzag layout ---------------------------------------------------------------------------------------

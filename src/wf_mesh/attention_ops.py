@@ -231,6 +231,48 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
             dv[:, :, cols] += g[2]
 
 
+def ring_forward(q, k, v, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of q against every ring rank's k, v block (lse in the accumulation dtype); the next block
+    travels while this one is computed."""
+    acc = accumulation_dtype(q.dtype)
+    out = torch.zeros_like(q, dtype=acc)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    block = (k, v, pad)
+    for t in range(plan.size):
+        j = (plan.index - t) % plan.size
+        hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
+        _forward_block(q, block, j, plan, out, lse)
+        if hop is not None:
+            block = hop.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`ring_forward` (no recomputation: it takes out and lse), dK/dV travelling the
+    ring back to their owners in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)  # also of the travelling dK/dV: every ring rank sends and sizes alike
+    dq = torch.zeros_like(q, dtype=acc)
+    block, dkv_hop = (k, v, pad), None
+    for t in range(plan.size):
+        j = (plan.index - t) % plan.size
+        kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
+        dk = torch.zeros_like(block[0], dtype=acc)
+        dv = torch.zeros_like(block[1], dtype=acc)
+        _backward_block(dout, q, out, lse, block, j, plan, dq, dk, dv)
+        if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
+            got_dk, got_dv = dkv_hop.wait()
+            dk += got_dk
+            dv += got_dv
+            del got_dk, got_dv
+        if plan.size > 1:  # to the next rank; after the last step that is block j's owner
+            dkv_hop = _Hop(plan, (dk, dv), (j - 1) % plan.size)
+        if kv_hop is not None:
+            block = kv_hop.wait()
+    if dkv_hop is not None:
+        dk, dv = dkv_hop.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     """Blockwise attention of q ``(B, H, S_q, D)`` against every ring rank's k, v block ``(B, Hkv, S_j, D)``
     (the engine's one layout; :func:`wf_mesh.attention.cp_attention` hands it bhsd views); backward without
@@ -238,18 +280,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pad, plan: RingPlan):
-        acc = accumulation_dtype(q.dtype)
-        out = torch.zeros_like(q, dtype=acc)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
-        block = (k, v, pad)
-        for t in range(plan.size):
-            j = (plan.index - t) % plan.size
-            # the next block travels while this one is computed
-            hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-            _forward_block(q, block, j, plan, out, lse)
-            if hop is not None:
-                block = hop.wait()
-        out = out.to(q.dtype)
+        out, lse = ring_forward(q, k, v, pad, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pad, ctx.plan = pad, plan
         return out
@@ -257,28 +288,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan: RingPlan = ctx.plan
-        acc = accumulation_dtype(q.dtype)  # also of the travelling dK/dV: every ring rank sends and sizes alike
-        dq = torch.zeros_like(q, dtype=acc)
-        block, dkv_hop = (k, v, ctx.pad), None
-        for t in range(plan.size):
-            j = (plan.index - t) % plan.size
-            kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-            dk = torch.zeros_like(block[0], dtype=acc)
-            dv = torch.zeros_like(block[1], dtype=acc)
-            _backward_block(dout, q, out, lse, block, j, plan, dq, dk, dv)
-            if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
-                got_dk, got_dv = dkv_hop.wait()
-                dk += got_dk
-                dv += got_dv
-                del got_dk, got_dv
-            if plan.size > 1:  # to the next rank; after the last step that is block j's owner
-                dkv_hop = _Hop(plan, (dk, dv), (j - 1) % plan.size)
-            if kv_hop is not None:
-                block = kv_hop.wait()
-        if dkv_hop is not None:
-            dk, dv = dkv_hop.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return *ring_backward(dout, q, k, v, out, lse, ctx.pad, ctx.plan), None, None
 
 
 # ---- Ulysses all-to-all --------------------------------------------------------------------------------
@@ -367,3 +377,191 @@ def gather_mask_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int
     recv = pad.new_empty(group.size() * longest, pad.shape[0])
     dist.all_gather_single(recv, send, group=group)
     return recv.t()
+
+
+# ---- the compiled path: custom ops that torch.compile keeps whole ----------------------------------------
+# Under torch.compile every piece that communicates is one custom op with a fake (shape-only) implementation
+# and its autograd formula: dynamo and AOTAutograd never look inside, so the ring keeps its overlap of hop
+# and compute (the same ring_forward / ring_backward as eager), and each op appears once in the graph. Groups
+# travel by name; the ring's RingPlan by a key into _RING_PLANS (a string made of the plan's contents, so
+# that equal plans of later steps reuse the compiled graph).
+_RING_PLANS: dict[str, RingPlan] = {}
+
+
+def register_ring_plan(plan: RingPlan) -> str:
+    """The key of ``plan`` for :func:`ring_attention_op` (the latest plan with that content is the one used)."""
+    group = "" if plan.group is None else plan.group.group_name
+    key = repr((group, plan.index, plan.q_segments, plan.kv_segments, plan.kv_lengths, plan.causal, plan.scale))
+    key = f"{key}/{plan.kernel.value}"
+    _RING_PLANS[key] = plan
+    return key
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    from wf_mesh import _compat
+
+    return _compat.resolve_group(name)
+
+
+@torch.library.custom_op("wf_mesh::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, key: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ring_forward` with the RingPlan registered under ``key``: ``(out, lse)``."""
+    return ring_forward(q, k, v, pad, _RING_PLANS[key])
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, pad, key):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
+
+
+@torch.library.custom_op("wf_mesh::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pad: torch.Tensor | None,
+    key: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ring_backward` with the RingPlan registered under ``key``: ``(dq, dk, dv)``."""
+    return ring_backward(dout, q, k, v, out, lse, pad, _RING_PLANS[key])
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, pad, key):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, pad, key = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], pad)
+    ctx.key = key
+
+
+def _ring_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, pad = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(dout.contiguous(), q, k, v, out, lse, pad, ctx.key)
+    return dq, dk, dv, None, None
+
+
+ring_attention_op.register_autograd(_ring_grad, setup_context=_ring_setup)
+
+
+@torch.library.custom_op("wf_mesh::seq_to_heads", mutates_args=())
+def seq_to_heads_op(x: torch.Tensor, group: str, lengths: list[int]) -> torch.Tensor:
+    """:func:`_seq_to_heads` on the group named ``group``."""
+    return _seq_to_heads(x, _group(group), lengths)
+
+
+@seq_to_heads_op.register_fake
+def _(x, group, lengths):
+    b, h, _, d = x.shape
+    return x.new_empty(sum(lengths), b, h // len(lengths), d).permute(1, 2, 0, 3)
+
+
+@torch.library.custom_op("wf_mesh::heads_to_seq", mutates_args=())
+def heads_to_seq_op(y: torch.Tensor, group: str, lengths: list[int], seq_major: bool) -> torch.Tensor:
+    """:func:`_heads_to_seq` on the group named ``group``."""
+    return _heads_to_seq(y, _group(group), lengths, seq_major)
+
+
+@heads_to_seq_op.register_fake
+def _(y, group, lengths, seq_major):
+    b, hu, _, d = y.shape
+    u, s = len(lengths), lengths[_group(group).rank()]
+    if seq_major:
+        return y.new_empty(b, s, u * hu, d).transpose(1, 2)
+    return y.new_empty(b, u * hu, s, d)
+
+
+def _seq_to_heads_setup(ctx, inputs, output):
+    x, ctx.group, ctx.lengths = inputs
+    ctx.seq_major = x.stride(1) < x.stride(2)
+
+
+seq_to_heads_op.register_autograd(
+    lambda ctx, grad: (heads_to_seq_op(grad, ctx.group, ctx.lengths, ctx.seq_major), None, None),
+    setup_context=_seq_to_heads_setup,
+)
+
+
+def _heads_to_seq_setup(ctx, inputs, output):
+    _, ctx.group, ctx.lengths, _ = inputs
+
+
+heads_to_seq_op.register_autograd(
+    lambda ctx, grad: (seq_to_heads_op(grad, ctx.group, ctx.lengths), None, None, None),
+    setup_context=_heads_to_seq_setup,
+)
+
+
+@torch.library.custom_op("wf_mesh::gather_mask", mutates_args=())
+def gather_mask_op(pad: torch.Tensor, group: str, lengths: list[int]) -> torch.Tensor:
+    """:func:`gather_mask` on the group named ``group``."""
+    return gather_mask(pad, _group(group), lengths)
+
+
+@gather_mask_op.register_fake
+def _(pad, group, lengths):
+    return pad.new_empty(sum(lengths), pad.shape[0]).t()
+
+
+@torch.library.custom_op("wf_mesh::gather_kv", mutates_args=())
+def gather_kv_op(k: torch.Tensor, v: torch.Tensor, group: str, longest: int) -> torch.Tensor:
+    """:class:`GatherKV`'s forward on the group named ``group``: the ``(n * longest, 2, B, Hkv, D)`` buffer."""
+    b, h, s, d = k.shape
+    send = k.new_zeros(longest, 2, b, h, d)
+    send[:s, 0] = k.permute(2, 0, 1, 3)
+    send[:s, 1] = v.permute(2, 0, 1, 3)
+    pg = _group(group)
+    recv = k.new_empty(pg.size() * longest, 2, b, h, d)
+    dist.all_gather_single(recv, send, group=pg)
+    return recv
+
+
+@gather_kv_op.register_fake
+def _(k, v, group, longest):
+    b, h, _, d = k.shape
+    return k.new_empty(_group(group).size() * longest, 2, b, h, d)
+
+
+@torch.library.custom_op("wf_mesh::scatter_kv_grad", mutates_args=())
+def scatter_kv_grad_op(grad: torch.Tensor, group: str) -> torch.Tensor:
+    """:class:`GatherKV`'s backward: the reduce-scatter of the gathered buffer's gradient."""
+    pg = _group(group)
+    recv = grad.new_empty(grad.shape[0] // pg.size(), *grad.shape[1:])
+    dist.reduce_scatter_single(recv, grad.contiguous(), group=pg)
+    return recv
+
+
+@scatter_kv_grad_op.register_fake
+def _(grad, group):
+    return grad.new_empty(grad.shape[0] // _group(group).size(), *grad.shape[1:])
+
+
+def _gather_kv_setup(ctx, inputs, output):
+    k, _, ctx.group, _ = inputs
+    ctx.local = k.shape[2]
+
+
+def _gather_kv_grad(ctx, grad):
+    recv = scatter_kv_grad_op(grad, ctx.group)[: ctx.local]
+    return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3), None, None
+
+
+gather_kv_op.register_autograd(_gather_kv_grad, setup_context=_gather_kv_setup)
+
+
+@torch.library.custom_op("wf_mesh::gather_mask_padded", mutates_args=())
+def gather_mask_padded_op(pad: torch.Tensor, group: str, longest: int) -> torch.Tensor:
+    """:func:`gather_mask_padded` on the group named ``group``."""
+    return gather_mask_padded(pad, _group(group), longest)
+
+
+@gather_mask_padded_op.register_fake
+def _(pad, group, longest):
+    return pad.new_empty(_group(group).size() * longest, pad.shape[0]).t()

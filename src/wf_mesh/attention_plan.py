@@ -26,7 +26,7 @@ from wf_mesh.agreement import Facts, agree, fact
 from wf_mesh.attention_ops import rank_segments
 from wf_mesh.context_parallel import cp_mesh
 from wf_mesh.errors import ShapeMismatchError
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
+from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
 from wf_mesh.topology import as_int
 
 __all__ = ["CPAttentionPlan", "plan_cp_attention"]
@@ -108,6 +108,9 @@ class CPAttentionPlan:
     """The ``mesh`` argument the plan was built from (cp_attention accepts it, or None, as its ``mesh``)."""
     rank: int = 0
     """This rank's cp rank."""
+    key: str = ""
+    """The plan's contents as a string (groups by name): what a compiled graph is specialized on, so that
+    equal plans of later steps reuse it."""
 
     @property
     def local_len(self) -> int:
@@ -163,13 +166,39 @@ def plan_cp_attention(seq_len: int, *, mesh: MeshArg = None, balance: str | None
             raise ValueError(f"balance={balance!r}: use None or 'zigzag'")
         axes = _usp_axes_or_none(mesh)
         sizes = () if axes is None else (axes[0].size(), axes[1].size())
-        plan = CPAttentionPlan(
-            length, balance, shard_lengths(length, cp.size(), balance), cp, axes, mesh, cp.get_local_rank()
-        )
-        return _PlanFacts(length, balance, cp.size(), sizes, plan=plan)
+        return _PlanFacts(length, balance, cp.size(), sizes, plan=_build(length, balance, cp, axes, mesh))
 
     agreed = agree(cp.get_group(), facts, what="plan_cp_attention")
     for name in ("seq_len", "balance", "cp", "usp"):
         agreed.require_same(name)
-    assert agreed.mine.plan is not None
-    return agreed.mine.plan
+    plan = agreed.mine.plan
+    assert plan is not None
+    _PLANS[plan.key] = plan
+    return plan
+
+
+def _build(seq_len: int, balance: str | None, cp: DeviceMesh, axes, source: MeshArg) -> CPAttentionPlan:
+    lengths = shard_lengths(seq_len, cp.size(), balance)
+    groups = [m.get_group().group_name for m in (cp, *(axes or ()))]
+    key = repr((groups, lengths, balance, cp.get_local_rank()))
+    return CPAttentionPlan(seq_len, balance, lengths, cp, axes, source, cp.get_local_rank(), key)
+
+
+def dtensor_plan(mesh: DeviceMesh, seq_len: int) -> CPAttentionPlan:
+    """The plan DTensor inputs on the 1-D cp ``mesh`` with global length ``seq_len`` imply (``torch.chunk``
+    shards; usp axes of the current ParallelMesh, if it has them): no exchange. Registered like a built plan."""
+    plan = _build(seq_len, None, mesh, _usp_axes_or_none(None) if parallel_mesh_or_none() else None, None)
+    _PLANS[plan.key] = plan
+    return plan
+
+
+_PLANS: dict[str, CPAttentionPlan] = {}
+"""The latest plan of each key (cp_attention's compiled path finds its plan by key)."""
+
+
+def planned(key: str) -> CPAttentionPlan:
+    """The latest plan built with ``key``."""
+    try:
+        return _PLANS[key]
+    except KeyError:
+        raise ValueError(f"no CPAttentionPlan with key {key!r} was built in this process") from None

@@ -53,6 +53,7 @@ __all__ = [
     "LocalCluster",
     "RemoteTraceback",
     "c10d_ops",
+    "counting_backend",
     "destroy_subgroups",
     "get_cluster",
     "host_syncs",
@@ -498,3 +499,27 @@ def host_syncs(on_sync: Callable[[str], None]) -> Any:
             return func(*args, **kwargs)
 
     return HostSyncs()
+
+
+def counting_backend(inner: str = "aot_eager") -> tuple[Callable[..., Any], list[int]]:
+    """``(backend, compiles)``: a ``torch.compile`` backend that delegates to the registered backend ``inner``
+    and appends the number of nodes of every graph it compiles to ``compiles`` (one entry per graph: graph
+    breaks and recompiles both add one).
+
+    Args:
+        inner: the backend that compiles (``"aot_eager"``: AOTAutograd with fake tensors, eager kernels;
+            ``"inductor"``: the default).
+
+    Returns:
+        The backend and the list it fills.
+    """
+    from wf_mesh import _compat
+
+    compile_graph = _compat.compile_backend(inner)
+    compiles: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiles.append(len(gm.graph.nodes))
+        return compile_graph(gm, example_inputs)
+
+    return backend, compiles
