@@ -509,8 +509,12 @@ def resolve_group(name: str) -> dist.ProcessGroup:
 
 
 def constant_at_trace(fn: Any) -> Any:
-    """``fn`` marked so that dynamo calls it eagerly while tracing (its arguments Python constants) and puts
-    its result into the graph as a constant (guarded by those arguments)."""
+    """Mark ``fn`` for dynamo: called eagerly while tracing (its arguments Python constants), its result put
+    into the graph as a constant (guarded by those arguments).
+
+    Returns:
+        ``fn``, marked.
+    """
     import torch._dynamo
 
     return torch._dynamo.assume_constant_result(fn)

@@ -488,7 +488,15 @@ def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int]) -> torch.Tens
 def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, plan) -> torch.Tensor:
     """cp_attention as dynamo traces it (see the module docstring): the plan and this call's constants give
     the moves (:func:`_compiled_moves`, run eagerly at trace time, validation included); the graph holds only
-    the tensor work and the custom ops of :mod:`wf_mesh.attention_ops`."""
+    the tensor work and the custom ops of :mod:`wf_mesh.attention_ops`.
+
+    Returns:
+        This rank's output shard (a DTensor for DTensor inputs), as :func:`cp_attention`.
+
+    Raises:
+        ValueError: a ``mesh=`` the compiled path cannot take (the plan or the DTensors carry the mesh).
+        TypeError: q is a DTensor but k or v is not.
+    """
     dtensor = isinstance(q, DTensor)
     if plan is None:
         if mesh is not None:
@@ -558,9 +566,12 @@ def _compiled_dtensor_plan(mesh: DeviceMesh | None, seq_len: int) -> str:
 
 @_compat.constant_at_trace
 def _compiled_moves(plan_key, method, layout, causal, scale, balance, shapes, dtypes, device):
-    """``(ring plan key, all-gather group name, longest shard, Ulysses group name, Ulysses lengths, K/V head
-    repeats)`` of a call (group names "" when unused), after this rank's checks of it (on shape-only tensors:
-    the same messages as eager)."""
+    """The moves of a call, after this rank's checks of it (on shape-only tensors: the same messages as eager).
+
+    Returns:
+        ``(ring plan key, all-gather group name, longest shard, Ulysses group name, Ulysses lengths, K/V head
+        repeats)``, group names "" when unused.
+    """
     plan = planned(plan_key)
     balance = _plan_settings(plan, None, balance)[2]
     with _compat.outside_fake_mode():

@@ -55,7 +55,11 @@ def _starts(sizes: list[int]) -> list[int]:
 
 def zigzag_segments(length: int, parts: int) -> list[list[Segment]]:
     """The zigzag layout: the sequence cut into ``2 * parts`` ``torch.chunk`` chunks, rank r holding chunks r
-    and ``2*parts-1-r``, in that order. Each rank's two segments (offsets within its own shard)."""
+    and ``2*parts-1-r``, in that order.
+
+    Returns:
+        Each rank's two segments (offsets within its own shard).
+    """
     sizes = chunk_sizes(length, 2 * parts)
     starts = _starts(sizes)
     out = []
@@ -74,8 +78,12 @@ def rank_segments(length: int, parts: int, balance: str | None) -> list[list[Seg
 
 
 def concat_segments(blocks: Sequence[list[Segment]], offsets: Sequence[int], positional: bool) -> list[Segment]:
-    """Segments of blocks stored at ``offsets`` of one tensor, empty ones dropped, neighbours in storage
-    coalesced (if ``positional``, only when their positions continue too)."""
+    """Segments of blocks stored at ``offsets`` of one tensor.
+
+    Returns:
+        The segments, empty ones dropped, neighbours in storage coalesced (if ``positional``, only when their
+        positions continue too).
+    """
     out: list[Segment] = []
     for segs, base in zip(blocks, offsets):
         for s in segs:
@@ -120,12 +128,17 @@ class RingPlan:
 
     @property
     def size(self) -> int:
+        """The number of ring ranks (K/V blocks)."""
         return len(self.kv_lengths)
 
     def pairs(self, j: int) -> Iterator[tuple[slice, slice, bool]]:
         """``(query rows, key rows, causal)`` for the query segments against block j: causal pairs are cut
         into keys every query sees (unmasked) and the square where query and key positions coincide (the
-        kernels' causal mode); keys that follow every query are left out. So no pair needs a position mask."""
+        kernels' causal mode); keys that follow every query are left out. So no pair needs a position mask.
+
+        Yields:
+            ``(query rows, key rows, causal)`` slices of one pair.
+        """
         if not self.causal:
             for ks in self.kv_segments[j]:
                 yield slice(None), slice(ks.offset, ks.offset + ks.length), False
@@ -150,8 +163,12 @@ class RingPlan:
 
 
 def _empty_block(like: torch.Tensor, length: int) -> torch.Tensor:
-    """Uninitialized ``like`` with a sequence of ``length`` (dim 2 of ``(B, H, S, D)``, dim 1 of a ``(B, S)``
-    mask), in ``like``'s memory layout (dims ordered by stride), so that both ends send the same bytes."""
+    """A receive buffer for a block like ``like`` with a sequence of ``length``.
+
+    Returns:
+        Uninitialized ``like`` with a sequence of ``length`` (dim 2 of ``(B, H, S, D)``, dim 1 of a ``(B, S)``
+        mask), in ``like``'s memory layout (dims ordered by stride), so that both ends send the same bytes.
+    """
     seq = 2 if like.ndim == 4 else 1
     order = sorted(range(like.ndim), key=lambda d: like.stride(d), reverse=True)
     shape = [length if d == seq else like.shape[d] for d in order]
@@ -232,8 +249,11 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
 
 
 def ring_forward(q, k, v, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of q against every ring rank's k, v block (lse in the accumulation dtype); the next block
-    travels while this one is computed."""
+    """Attention of q against every ring rank's k, v block; the next block travels while this one is computed.
+
+    Returns:
+        ``(out, lse)``: out in q's dtype, lse in the accumulation dtype.
+    """
     acc = accumulation_dtype(q.dtype)
     out = torch.zeros_like(q, dtype=acc)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
@@ -248,8 +268,12 @@ def ring_forward(q, k, v, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tens
 
 
 def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`ring_forward` (no recomputation: it takes out and lse), dK/dV travelling the
-    ring back to their owners in the accumulation dtype."""
+    """The backward of :func:`ring_forward` (no recomputation: it takes out and lse), dK/dV travelling the
+    ring back to their owners in the accumulation dtype.
+
+    Returns:
+        ``(dq, dk, dv)`` in the dtypes of q, k, v.
+    """
     acc = accumulation_dtype(q.dtype)  # also of the travelling dK/dV: every ring rank sends and sizes alike
     dq = torch.zeros_like(q, dtype=acc)
     block, dkv_hop = (k, v, pad), None
@@ -280,6 +304,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pad, plan: RingPlan):
+        """This rank's output shard; out and lse kept for backward."""
         out, lse = ring_forward(q, k, v, pad, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pad, ctx.plan = pad, plan
@@ -287,14 +312,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        """dq, dk, dv from the kept out and lse (the plan and mask get no gradient)."""
         q, k, v, out, lse = ctx.saved_tensors
         return *ring_backward(dout, q, k, v, out, lse, ctx.pad, ctx.plan), None, None
 
 
 # ---- Ulysses all-to-all --------------------------------------------------------------------------------
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int]) -> torch.Tensor:
-    """``(B, H, S_r, D)`` sequence shard -> ``(B, H/U, sum(lengths), D)`` head shard (a view of
-    ``(S, B, H/U, D)`` memory): one all-to-all."""
+    """A sequence shard to a head shard: one all-to-all.
+
+    Returns:
+        The ``(B, H/U, sum(lengths), D)`` head shard of ``(B, H, S_r, D)`` x (a view of ``(S, B, H/U, D)`` memory).
+    """
     b, h, s, d = x.shape
     u = len(lengths)
     send = x.reshape(b, u, h // u, s, d).permute(1, 3, 0, 2, 4).contiguous()
@@ -304,8 +333,12 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int])
 
 
 def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], seq_major: bool) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_heads`; the result is stored ``(B, S, H, D)`` if ``seq_major`` else
-    ``(B, H, S, D)`` and returned as a ``(B, H, S, D)`` view."""
+    """Inverse of :func:`_seq_to_heads`.
+
+    Returns:
+        The sequence shard, stored ``(B, S, H, D)`` if ``seq_major`` else ``(B, H, S, D)``, as a
+        ``(B, H, S, D)`` view.
+    """
     b, hu, _, d = y.shape
     u, s = len(lengths), lengths[group.rank()]
     recv = y.new_empty(u * s, b, hu, d)
@@ -317,24 +350,32 @@ def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, lengths: list[int],
 
 
 class SeqToHeads(torch.autograd.Function):
+    """Sequence shard -> head shard over a Ulysses group (one all-to-all; backward the inverse)."""
+
     @staticmethod
     def forward(ctx, x, group, lengths):
+        """The head shard of x."""
         ctx.group, ctx.lengths, ctx.seq_major = group, lengths, x.stride(1) < x.stride(2)
         return _seq_to_heads(x, group, lengths)
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient back to the sequence shard, in x's memory layout."""
         return _heads_to_seq(grad, ctx.group, ctx.lengths, ctx.seq_major), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
+    """Head shard -> sequence shard over a Ulysses group (one all-to-all; backward the inverse)."""
+
     @staticmethod
     def forward(ctx, y, group, lengths, seq_major):
+        """The sequence shard of y."""
         ctx.group, ctx.lengths = group, lengths
         return _heads_to_seq(y, group, lengths, seq_major)
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient back to the head shard."""
         return _seq_to_heads(grad, ctx.group, ctx.lengths), None, None, None
 
 
@@ -353,6 +394,7 @@ class GatherKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, v, group, longest):
+        """Every rank's k, v, each padded to ``longest``, concatenated along the sequence."""
         b, h, s, d = k.shape
         send = k.new_zeros(longest, 2, b, h, d)
         send[:s, 0] = k.permute(2, 0, 1, 3)
@@ -364,6 +406,7 @@ class GatherKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dk, dv):
+        """This rank's dk, dv: the gathered gradients reduce-scattered back to their owners."""
         grads = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1)
         recv = grads.new_empty(grads.shape[0] // ctx.group.size(), *grads.shape[1:])
         dist.reduce_scatter_single(recv, grads, group=ctx.group)
@@ -372,6 +415,7 @@ class GatherKV(torch.autograd.Function):
 
 
 def gather_mask_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int) -> torch.Tensor:
+    """Every rank's key padding mask, each padded to ``longest`` with True (padding), as GatherKV gathers K/V."""
     send = pad.new_ones(longest, pad.shape[0])
     send[: pad.shape[1]] = pad.t()
     recv = pad.new_empty(group.size() * longest, pad.shape[0])

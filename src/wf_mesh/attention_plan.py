@@ -40,8 +40,15 @@ MeshArg = DeviceMesh | ParallelMesh | None
 
 # ---- meshes --------------------------------------------------------------------------------------------
 def cp_of(mesh: MeshArg) -> DeviceMesh:
-    """The 1-D mesh over all cp ranks in cp-rank order; a 2-D ``("cp_ring", "cp_ulysses")`` mesh is flattened
-    (its process group is created once, on the first call, collectively over the mesh's root)."""
+    """The cp mesh of ``mesh``.
+
+    Returns:
+        The 1-D mesh over all cp ranks in cp-rank order; a 2-D ``("cp_ring", "cp_ulysses")`` mesh is flattened
+        (its process group is created once, on the first call, collectively over the mesh's root).
+
+    Raises:
+        ValueError: a 2-D mesh not named ``("cp_ring", "cp_ulysses")``.
+    """
     if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
         if mesh.mesh_dim_names != USP_DIMS:
             raise ValueError(f"cp_attention: a 2-D mesh must have mesh_dim_names {USP_DIMS}, got {mesh.mesh_dim_names}")
@@ -186,7 +193,11 @@ def _build(seq_len: int, balance: str | None, cp: DeviceMesh, axes, source: Mesh
 
 def dtensor_plan(mesh: DeviceMesh, seq_len: int) -> CPAttentionPlan:
     """The plan DTensor inputs on the 1-D cp ``mesh`` with global length ``seq_len`` imply (``torch.chunk``
-    shards; usp axes of the current ParallelMesh, if it has them): no exchange. Registered like a built plan."""
+    shards; usp axes of the current ParallelMesh, if it has them): no exchange.
+
+    Returns:
+        The plan, registered like a built one.
+    """
     plan = _build(seq_len, None, mesh, _usp_axes_or_none(None) if parallel_mesh_or_none() else None, None)
     _PLANS[plan.key] = plan
     return plan
