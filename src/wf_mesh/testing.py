@@ -55,6 +55,7 @@ __all__ = [
     "c10d_ops",
     "counting_backend",
     "destroy_subgroups",
+    "dispatched",
     "get_cluster",
     "host_syncs",
     "process_group_counts",
@@ -503,3 +504,26 @@ def counting_backend(inner: str = "aot_eager") -> tuple[Callable[..., Any], list
         return compile_graph(gm, example_inputs)
 
     return backend, compiles
+
+
+def dispatched(on_outputs: Callable[[list[torch.Tensor]], None]) -> Any:
+    """A context manager in which ``on_outputs(tensors)`` sees the tensor outputs of every op dispatched on this
+    thread (and in autograd's backward), after it ran (e.g. to track the live bytes a call allocates).
+
+    Args:
+        on_outputs: called with each op's output tensors.
+
+    Returns:
+        The dispatch mode, to use in a ``with`` statement.
+    """
+    from wf_mesh import _compat
+
+    class Outputs(_compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            flat = result if isinstance(result, (tuple, list)) else [result]
+            on_outputs([t for t in flat if isinstance(t, torch.Tensor)])
+            return result
+
+    return Outputs()
+
