@@ -32,6 +32,13 @@ once per step (:func:`~wf_mesh.plan_cp_attention`, ``plan=``) removes it: the ca
 collectives only, no host sync. DTensor inputs carry the lengths in their global shape: they run the exchange
 only while checks are on.
 
+Under ``torch.compile(fullgraph=True, dynamic=False)``: pass a plan (or DTensor inputs, with checks off). The
+host-side work (validation, the plan's arithmetic, the kernel choice) runs once while dynamo traces, and the
+graph holds custom ops (:mod:`wf_mesh.attention_ops`) for the ring core (its hop/compute overlap kept
+inside), the all-to-alls and the all-gather; equal plans of later steps reuse the graph, a new resolution
+recompiles once. A planless plain call, or planless DTensors with checks on, raise at trace time: the
+per-call exchange is a host sync and stays eager (checks on => pass a plan to compile).
+
 Which to pick: ``ulysses`` when the heads divide by the cp size and the all-to-all runs on a fast
 intra-node link (least traffic: ``(n-1)/n`` of q, k, v, out once, and a single local attention call);
 ``ring`` when they do not, or the cp axis spans nodes (only neighbour traffic, hidden behind compute when

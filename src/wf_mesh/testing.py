@@ -526,4 +526,3 @@ def dispatched(on_outputs: Callable[[list[torch.Tensor]], None]) -> Any:
             return result
 
     return Outputs()
-
