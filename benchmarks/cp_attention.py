@@ -230,7 +230,9 @@ def bench_plan_compile(dims, iters: int, trials: int, backend: str, steps: int =
         plans = [wf_mesh.plan_cp_attention(seq_len=s, mesh=mesh) for _ in range(steps)]
 
         def attend(q, k, v, plan, method=method, mesh=mesh):
-            return cp_attention(q, k, v, method=method, mesh=None if plan is not None else mesh, plan=plan)
+            return cp_attention(
+                q, k, v, method=method, mesh=None if plan is not None else mesh, layout="bhsd", plan=plan
+            )
 
         counting, graphs = counting_backend(backend)
         compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend=counting)
@@ -265,7 +267,7 @@ def peak_bytes(dims, method: str, mesh, pm) -> int:
     plan = wf_mesh.plan_cp_attention(seq_len=s, mesh=mesh)
     live = LiveBytes()
     with live.mode:
-        cp_attention(q, k, v, method=method, plan=plan).backward(dout)
+        cp_attention(q, k, v, method=method, layout="bhsd", plan=plan).backward(dout)
     return live.peak
 
 
