@@ -18,7 +18,7 @@ import wf_mesh
 from wf_mesh import agreement
 from wf_mesh.attention import CPSelfAttention, cp_attention
 from wf_mesh.context_parallel import sequence_dtensor
-from wf_mesh.testing import counting_backend, run_distributed
+from wf_mesh.testing import counting_backend, graph_breaks, run_distributed
 
 from helpers import sample
 
@@ -186,3 +186,21 @@ def compiled_across_mesh_rebuild():
 def test_a_compiled_graph_outlives_its_mesh():
     for diffs, graphs in run_distributed(2, compiled_across_mesh_rebuild):
         assert max(diffs) < 1e-6 and graphs <= 2, (diffs, graphs)
+
+
+def explained(method):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    q = wf_mesh.shard_sequence(sample((1, 10, 4, 8)), 1, mesh=pm, as_dtensor=False)
+    mask = torch.zeros(1, 5, dtype=torch.bool)
+
+    def block(q, plan):
+        out = cp_attention(q, q, q, method=method, layout="bshd", causal=True, key_padding_mask=mask, plan=plan)
+        return out.sin()
+
+    return graph_breaks(block, q, wf_mesh.plan_cp_attention(seq_len=10, mesh=pm))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "allgather"])
+def test_dynamo_explain_sees_one_graph_and_no_break(method):
+    for graphs, breaks, reasons in run_distributed(2, explained, method):
+        assert (graphs, breaks, reasons) == (1, 0, [])

@@ -57,6 +57,7 @@ __all__ = [
     "destroy_subgroups",
     "dispatched",
     "get_cluster",
+    "graph_breaks",
     "host_syncs",
     "process_group_counts",
     "run_distributed",
@@ -526,3 +527,18 @@ def dispatched(on_outputs: Callable[[list[torch.Tensor]], None]) -> Any:
             return result
 
     return Outputs()
+
+
+def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:
+    """How dynamo captures ``fn(*args, **kwargs)`` (``torch._dynamo.explain``, nothing compiled).
+
+    Args:
+        fn: the function to trace.
+        args, kwargs: its arguments.
+
+    Returns:
+        ``(graphs, graph breaks, the reasons of the breaks)``.
+    """
+    from wf_mesh import _compat
+
+    return _compat.graph_breaks(fn, *args, **kwargs)
