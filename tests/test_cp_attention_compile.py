@@ -116,6 +116,9 @@ def compile_misuse(kind):
     plan = wf_mesh.plan_cp_attention(seq_len=10, mesh=pm)
     if kind == "dtensor_checks_on":
         q = sequence_dtensor(q, 2, (1, 2, 8, 8), mesh=pm)
+    if kind == "dtensor_placement":  # bhsd read, sharded on dim 1 (heads)
+        q = sequence_dtensor(q, 1, (1, 4, 4, 8), mesh=pm)
+        agreement.set_checks(False)
 
     def block(x):
         return cp_attention(x, x, x, layout="bhsd", plan=plan if kind == "local_len" else None)
@@ -124,10 +127,13 @@ def compile_misuse(kind):
         torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=False)(q)
     except Exception as exc:
         return exc
+    finally:
+        agreement.set_checks(None)
     return None
 
 
 COMPILE_ERRORS = {
+    "dtensor_placement": r"q, k, v must be placed \(Shard\(2\),\) \(the sequence dim of layout='bhsd'\)",
     "plain_without_plan": r"needs plan= \(wf_mesh.plan_cp_attention\) or DTensor inputs",
     "dtensor_checks_on": r"with DTensor inputs and checks on: .* pass plan=",
     "local_len": r"holds 4 tokens but the plan gives cp rank \d 5 \(seq_len=10",

@@ -470,6 +470,9 @@ def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, p
     if dtensor:
         if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
             raise TypeError("q is a DTensor but k or v is not: pass all three as DTensors or none")
+        seq_dim = 1 if layout == "bshd" else 2
+        if any(tuple(x.placements) != (Shard(seq_dim),) for x in (q, k, v)):
+            raise ValueError(f"q, k, v must be placed (Shard({seq_dim}),) (the sequence dim of layout={layout!r})")
         q_global = tuple(q.shape)
         q, k, v = q.to_local(), k.to_local(), v.to_local()
         if isinstance(pad, DTensor):
