@@ -23,6 +23,15 @@ causal (causal with ``balance="zigzag"`` for every method). Per method:
    are twice as large with Hkv = H / 2). Theory: ring min(2, n-1)/n (the block received last + the one in
    flight), ulysses 1/n, usp (1 + min(2, R-1))/n (the all-to-all output + ring blocks), allgather 1.
 
+4. one plan per step and torch.compile (cp 4, every method, non-causal): fwd+bwd time of eager without a plan,
+   eager with one and ``torch.compile(fullgraph=True, dynamic=False)`` with one (inductor; aot_eager with
+   ``--quick``), side by side in the same trials; the graphs compiled over 3 steps that each build a new plan
+   (target 1); collectives and host syncs per layer per step with and without a plan (targets: the data
+   collectives only and 0 host syncs with a plan; the agreement's all-gather and its ``.tolist()`` more
+   without); the peak bytes one planned fwd+bwd allocates (live storages of every op output, tracked by a
+   dispatch mode: the CPU flash kernel's workspace is not seen) against one fp32 ``(B, H, S_local, D)`` shard,
+   and the growth of that peak when S_local doubles (linear: 2; a kernel holding ``S_local^2`` scores: 4).
+
 Ratio rows (benchmarks/_report.py): time per trial / allgather in the same trial, and / the median
 single-process SDPA (no target: CPU timings on shared cores are reported only); bytes sent / theory and peak
 K/V / the full K/V, with the theory as the target (exact counts).
@@ -33,6 +42,7 @@ K/V / the full K/V, with the theory as the target (exact counts).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import weakref
@@ -46,9 +56,10 @@ from torch.distributed.device_mesh import init_device_mesh
 import wf_mesh
 from wf_mesh.agreement import ROW
 from wf_mesh.attention import cp_attention, zigzag_shard
-from wf_mesh.testing import LocalCluster, c10d_ops
+from wf_mesh.testing import LocalCluster, c10d_ops, counting_backend, dispatched, host_syncs
 
 from _report import (  # benchmarks/ is on sys.path
+    below,
     equals,
     format_rows,
     per_trial,
@@ -158,6 +169,108 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
     return {"seconds": seconds, "traffic": traffic}
 
 
+class LiveBytes:
+    """Peak bytes of the tensors ops create while ``with live.mode:`` is active (per storage, from the op that
+    returns it until it is freed): what a call allocates on top of its inputs. Kernel-internal workspaces are
+    not op outputs and are not seen."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+        self.mode = dispatched(self._on_op)
+
+    def _on_op(self, outputs) -> None:
+        for t in outputs:
+            storage = t.untyped_storage()
+            if id(storage) in self.live or not storage.nbytes():
+                continue
+            self.live[id(storage)] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._free, id(storage))
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+
+def step_counts(fn) -> dict[str, int]:
+    """Collectives (c10d ops other than send/recv), P2P ops, agreement exchanges (int64 all-gathers, each read
+    back with ``.tolist()``: a host sync) and dispatched host syncs of one ``fn()``."""
+    counts = collections.Counter()
+
+    def on_op(name, args):
+        if name in ("send", "recv_"):
+            counts["p2p"] += 1
+            return
+        counts["collectives"] += 1
+        if name == "_allgather_base_" and args[0].dtype == torch.int64:
+            counts["agreements"] += 1
+
+    with c10d_ops(on_op), host_syncs(lambda what: counts.update(["dispatched_syncs"])):
+        fn()
+    counts["host_syncs"] = counts["agreements"] + counts["dispatched_syncs"]
+    return {k: counts[k] for k in ("collectives", "p2p", "agreements", "host_syncs")}
+
+
+def bench_plan_compile(dims, iters: int, trials: int, backend: str, steps: int = 3) -> dict:
+    """Per method at this cp size: fwd+bwd seconds of eager without a plan, eager with one and compiled with one
+    (``torch.compile(fullgraph=True, dynamic=False)``), the graphs compiled over ``steps`` steps (a new plan
+    each), the counts per call with and without a plan, and the peak bytes one planned call allocates."""
+    b, h, hkv, s, d = dims
+    n = dist.get_world_size()
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=n))
+    meshes = {"allgather": pm, "ring": pm, "ulysses": pm}
+    if n >= 4:
+        meshes["usp"] = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    shapes = [(b, h, s, d), (b, hkv, s, d), (b, hkv, s, d)]
+    q, k, v = (wf_mesh.shard_sequence(sample(x, i), 2, mesh=pm).requires_grad_() for i, x in enumerate(shapes))
+    dout = wf_mesh.shard_sequence(sample((b, h, s, d), 3), 2, mesh=pm)
+    out = {}
+    for method, mesh in meshes.items():
+        plans = [wf_mesh.plan_cp_attention(seq_len=s, mesh=mesh) for _ in range(steps)]
+
+        def attend(q, k, v, plan, method=method, mesh=mesh):
+            return cp_attention(
+                q, k, v, method=method, mesh=None if plan is not None else mesh, layout="bhsd", plan=plan
+            )
+
+        counting, graphs = counting_backend(backend)
+        compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend=counting)
+
+        def step(fn, plan, step=0):
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, plans[step] if plan else None).backward(dout)
+
+        for i in range(steps):
+            step(compiled, True, i)
+        paths = {"planless": partial(step, attend, False), "plan": partial(step, attend, True)}
+        paths["compiled"] = partial(step, compiled, True)
+        seconds = compare_trials(paths, iters, trials, timed_dist)
+        out[method] = {
+            "seconds": seconds,
+            "graphs": len(graphs),
+            "counts_plan": step_counts(partial(step, attend, True)),
+            "counts_planless": step_counts(partial(step, attend, False)),
+            "peak_bytes": peak_bytes(dims, method, mesh, pm),
+            "peak_bytes_2x": peak_bytes((b, h, hkv, 2 * s, d), method, mesh, pm),
+            "local_len": q.shape[2],
+        }
+    return out
+
+
+def peak_bytes(dims, method: str, mesh, pm) -> int:
+    """Peak live bytes the tensors of one planned fwd+bwd take (:class:`LiveBytes`), inputs not counted."""
+    b, h, hkv, s, d = dims
+    shapes = [(b, h, s, d), (b, hkv, s, d), (b, hkv, s, d), (b, h, s, d)]
+    q, k, v, dout = (wf_mesh.shard_sequence(sample(x, i), 2, mesh=pm) for i, x in enumerate(shapes))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    plan = wf_mesh.plan_cp_attention(seq_len=s, mesh=mesh)
+    live = LiveBytes()
+    with live.mode:
+        cp_attention(q, k, v, method=method, layout="bhsd", plan=plan).backward(dout)
+    return live.peak
+
+
 def sdpa_seconds(dims, causal: bool, iters: int, trials: int) -> list[float]:
     b, h, hkv, s, d = dims
     shapes = [(b, h, s, d), (b, hkv, s, d), (b, hkv, s, d)]
@@ -188,11 +301,79 @@ def theory(method: str, dims, n: int, elem: int = 4) -> dict[str, float]:
     return {"fwd": fwd, "bwd": bwd, "kv_peak": blocks / n, "kv_peak_text": f"= {blocks}/{n}"}
 
 
+PLANNED_COLLECTIVES = {"ring": 0, "ulysses": 8, "usp": 8, "allgather": 2}
+"""Collectives of one planned fwd+bwd per method (P2P not counted): the data moves only."""
+
+
+def print_plan_compile(runs: dict, dims, n: int, backend: str, row) -> None:
+    """The plan / compile table and its rows (see :func:`bench_plan_compile`)."""
+    b, h, _, _, d = dims
+    print(
+        f"\n## cp {n}, non-causal: one plan per step, torch.compile(fullgraph=True, dynamic=False, backend={backend!r})"
+    )
+    print(
+        f"{'method':>9} {'planless ms':>11} {'plan ms':>8} {'compiled ms':>11} {'compiled/eager':>14} {'graphs':>6} "
+        f"{'coll. plan/none':>15} {'syncs plan/none':>15} {'peak MiB':>9} {'/ q fp32':>8} {'/ scores':>8}"
+    )
+    for method, run in runs.items():
+        sec = {path: statistics.median(samples) for path, samples in run["seconds"].items()}
+        plan, none = run["counts_plan"], run["counts_planless"]
+        s_local = run["local_len"]
+        q_bytes, scores = b * h * s_local * d * 4, b * h * s_local * s_local * 4
+        print(
+            f"{method:>9} {sec['planless'] * 1e3:>11.1f} {sec['plan'] * 1e3:>8.1f} {sec['compiled'] * 1e3:>11.1f} "
+            f"{sec['compiled'] / sec['plan']:>14.2f} {run['graphs']:>6} "
+            f"{plan['collectives']:>7}/{none['collectives']:<7} {plan['host_syncs']:>7}/{none['host_syncs']:<7} "
+            f"{run['peak_bytes'] / 2**20:>9.2f} {run['peak_bytes'] / q_bytes:>8.2f} {run['peak_bytes'] / scores:>8.3f}"
+        )
+        prefix = f"cp {n}: {method}"
+        row(
+            f"{prefix} compiled / eager (both planned), fwd+bwd time",
+            per_trial(run["seconds"]["compiled"], run["seconds"]["plan"]),
+        )
+        row(
+            f"{prefix} eager with a plan / without, fwd+bwd time",
+            per_trial(run["seconds"]["plan"], run["seconds"]["planless"]),
+        )
+        row(f"{prefix} with a plan: host syncs per layer per step", plan["host_syncs"], equals(0, "= 0"))
+        row(f"{prefix} without a plan: host syncs per layer per step", none["host_syncs"])
+        expected = PLANNED_COLLECTIVES[method]
+        row(
+            f"{prefix} with a plan: collectives per layer per step",
+            plan["collectives"],
+            equals(expected, f"= {expected}"),
+        )
+        row(
+            f"{prefix} without a plan: collectives per layer per step",
+            none["collectives"],
+            equals(expected + 1, f"= {expected + 1}"),
+        )
+        row(f"{prefix} compiled: graphs over 3 steps (a new plan each)", run["graphs"], equals(1, "= 1"))
+        row(f"{prefix}: peak bytes allocated by one fwd+bwd / fp32 (B, H, S_local, D)", run["peak_bytes"] / q_bytes)
+        row(
+            f"{prefix}: peak bytes of one fwd+bwd at 2 S_local / at S_local",
+            run["peak_bytes_2x"] / run["peak_bytes"],
+            below(3, "< 3 (linear 2)"),
+        )
+    print(
+        "coll. = collectives per fwd+bwd (P2P hops not counted); syncs = agreement exchanges (their .tolist()) + "
+        "dispatched .item()/device-to-host copies (planless usp: also DeviceMesh slicing's .item() on the CPU mesh tensor, not a device sync); peak = live bytes of the tensors one planned fwd+bwd creates "
+        "(a dispatch mode tracking storages; kernel workspaces unseen), against one fp32 q shard and the "
+        "S_local^2 fp32 scores a math kernel would hold"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
     parser.add_argument("--json", help="also write the ratio rows and results here")
+    parser.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of the compiled rows (default: inductor; aot_eager with --quick)",
+    )
     args = parser.parse_args()
+    backend = args.compile_backend or ("aot_eager" if args.quick else "inductor")
     torch.set_num_threads(1)  # like every rank of the cluster
     dims = (1, 8, 4, 256, 32) if args.quick else (1, 8, 4, 2048, 64)  # B, H, Hkv, S, D (Hkv divisible by U)
     iters, trials = (1, 3) if args.quick else (2, 5)
@@ -218,6 +399,13 @@ def main() -> None:
             }
         finally:
             cluster.shutdown()
+
+    cluster = LocalCluster(4).start()
+    try:
+        results["plan_compile"] = cluster.run(bench_plan_compile, dims, iters, trials, backend)[0]
+    finally:
+        cluster.shutdown()
+    results["compile_backend"] = backend
 
     rows = []
 
@@ -262,6 +450,7 @@ def main() -> None:
                         t["kv_peak_fwd"] / full_kv,
                         equals(th["kv_peak"], th["kv_peak_text"]),
                     )
+    print_plan_compile(results["plan_compile"], dims, 4, backend, row)
     print(
         "\npeak K/V fwd / held / bwd inbound: fractions of the full sequence's K/V (held = kept for backward;"
         " bwd inbound = every receive buffer in backward, fp32 dK/dV included)\n"

@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import wf_mesh
 from wf_mesh import agreement
-from wf_mesh.attention import cp_attention
+from wf_mesh.attention import CPSelfAttention, cp_attention
 from wf_mesh.context_parallel import sequence_dtensor
-from wf_mesh.testing import counting_backend, run_distributed
+from wf_mesh.testing import counting_backend, graph_breaks, run_distributed
 
 from helpers import sample
 
@@ -116,6 +116,9 @@ def compile_misuse(kind):
     plan = wf_mesh.plan_cp_attention(seq_len=10, mesh=pm)
     if kind == "dtensor_checks_on":
         q = sequence_dtensor(q, 2, (1, 2, 8, 8), mesh=pm)
+    if kind == "dtensor_placement":  # bhsd read, sharded on dim 1 (heads)
+        q = sequence_dtensor(q, 1, (1, 4, 4, 8), mesh=pm)
+        agreement.set_checks(False)
 
     def block(x):
         return cp_attention(x, x, x, layout="bhsd", plan=plan if kind == "local_len" else None)
@@ -124,10 +127,13 @@ def compile_misuse(kind):
         torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=False)(q)
     except Exception as exc:
         return exc
+    finally:
+        agreement.set_checks(None)
     return None
 
 
 COMPILE_ERRORS = {
+    "dtensor_placement": r"q, k, v must be placed \(Shard\(2\),\) \(the sequence dim of layout='bhsd'\)",
     "plain_without_plan": r"needs plan= \(wf_mesh.plan_cp_attention\) or DTensor inputs",
     "dtensor_checks_on": r"with DTensor inputs and checks on: .* pass plan=",
     "local_len": r"holds 4 tokens but the plan gives cp rank \d 5 \(seq_len=10",
@@ -139,3 +145,68 @@ def test_misuse_under_compile_raises_at_trace_time_on_every_rank(kind):
     outcomes = run_distributed(2, compile_misuse, kind)
     for rank, exc in enumerate(outcomes):
         assert exc is not None and re.search(COMPILE_ERRORS[kind], str(exc)), (rank, repr(exc))
+
+
+def module_compiled_vs_eager(method):
+    """A CPSelfAttention block compiled whole (the issue's failing case): output and weight gradients."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    torch.manual_seed(0)
+    attn = CPSelfAttention(16, heads=2, method=method, mesh=pm)
+    backend, compiles = counting_backend()
+    compiled = torch.compile(attn, fullgraph=True, backend=backend, dynamic=False)
+    x = wf_mesh.shard_sequence(sample((2, 11, 16)), 1, mesh=pm, as_dtensor=False)
+    results = []
+    for fn in (attn, compiled):
+        for _ in range(2):  # two steps, a new plan each
+            attn.zero_grad()
+            out = fn(x, plan=wf_mesh.plan_cp_attention(seq_len=11, mesh=pm))
+            out.square().sum().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in attn.parameters())])
+    return max((a - b).abs().max().item() for a, b in zip(*results)), len(compiles)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_a_cp_self_attention_block_compiles_whole(method):
+    for diff, graphs in run_distributed(2, module_compiled_vs_eager, method):
+        assert diff < 1e-5 and graphs == 1, (diff, graphs)
+
+
+def compiled_across_mesh_rebuild():
+    """A compiled graph keeps working after its mesh is destroyed and built again (it finds groups by name)."""
+    backend, compiles = counting_backend()
+
+    def block(q, plan):
+        return cp_attention(q, q, q, method="ring", layout="bhsd", plan=plan)
+
+    compiled = torch.compile(block, fullgraph=True, backend=backend, dynamic=False)
+    diffs = []
+    for _ in range(2):
+        pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+        q = wf_mesh.shard_sequence(sample((1, 2, 10, 8)), 2, mesh=pm, as_dtensor=False)
+        plan = wf_mesh.plan_cp_attention(seq_len=10, mesh=pm)
+        diffs.append((compiled(q, plan) - block(q, plan)).abs().max().item())
+        pm.destroy()
+    return diffs, len(compiles)
+
+
+def test_a_compiled_graph_outlives_its_mesh():
+    for diffs, graphs in run_distributed(2, compiled_across_mesh_rebuild):
+        assert max(diffs) < 1e-6 and graphs <= 2, (diffs, graphs)
+
+
+def explained(method):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    q = wf_mesh.shard_sequence(sample((1, 10, 4, 8)), 1, mesh=pm, as_dtensor=False)
+    mask = torch.zeros(1, 5, dtype=torch.bool)
+
+    def block(q, plan):
+        out = cp_attention(q, q, q, method=method, layout="bshd", causal=True, key_padding_mask=mask, plan=plan)
+        return out.sin()
+
+    return graph_breaks(block, q, wf_mesh.plan_cp_attention(seq_len=10, mesh=pm))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "allgather"])
+def test_dynamo_explain_sees_one_graph_and_no_break(method):
+    for graphs, breaks, reasons in run_distributed(2, explained, method):
+        assert (graphs, breaks, reasons) == (1, 0, [])

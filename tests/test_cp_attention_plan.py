@@ -10,6 +10,10 @@ dispatched, but the agreement's all-gather in front of it is counted).
 from __future__ import annotations
 
 import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +213,19 @@ PLAN_ERRORS = {
 def test_plan_misuse_raises_on_every_rank(kind):
     error, match = PLAN_ERRORS[kind]
     raised_everywhere(run_distributed(2, plan_misuse, kind), error, match)
+
+
+@pytest.mark.slow  # the whole benchmark, quick: ~45 s of 2-4 processes
+def test_the_benchmark_reports_the_plan_rows(tmp_path):
+    out = tmp_path / "cp.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_attention.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["measurement"]: r for r in json.loads(out.read_text())["rows"]}
+    for method, collectives in {"ring": 0, "ulysses": 8, "usp": 8, "allgather": 2}.items():
+        assert rows[f"cp 4: {method} with a plan: host syncs per layer per step"]["ratio"] == 0
+        assert rows[f"cp 4: {method} with a plan: collectives per layer per step"]["ratio"] == collectives
+        assert rows[f"cp 4: {method} compiled: graphs over 3 steps (a new plan each)"]["ratio"] == 1
+        assert rows[f"cp 4: {method}: peak bytes of one fwd+bwd at 2 S_local / at S_local"]["ratio"] < 3

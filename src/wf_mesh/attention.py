@@ -33,6 +33,13 @@ once per step (:func:`~wf_mesh.plan_cp_attention`, ``plan=``) removes it: the ca
 collectives only, no host sync. DTensor inputs carry the lengths in their global shape: they run the exchange
 only while checks are on.
 
+Under ``torch.compile(fullgraph=True, dynamic=False)``: pass a plan (or DTensor inputs, with checks off). The
+host-side work (validation, the plan's arithmetic, the kernel choice) runs once while dynamo traces, and the
+graph holds custom ops (:mod:`wf_mesh.attention_ops`) for the ring core (its hop/compute overlap kept
+inside), the all-to-alls and the all-gather; equal plans of later steps reuse the graph, a new resolution
+recompiles once. A planless plain call, or planless DTensors with checks on, raise at trace time: the
+per-call exchange is a host sync and stays eager (checks on => pass a plan to compile).
+
 Which to pick: ``ulysses`` when the heads divide by the cp size and the all-to-all runs on a fast
 intra-node link (least traffic: ``(n-1)/n`` of q, k, v, out once, and a single local attention call);
 ``ring`` when they do not, or the cp axis spans nodes (only neighbour traffic, hidden behind compute when
@@ -510,6 +517,9 @@ def _compiled_call(q, k, v, pad, method, layout, causal, scale, balance, mesh, p
     if dtensor:
         if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
             raise TypeError("q is a DTensor but k or v is not: pass all three as DTensors or none")
+        seq_dim = 1 if layout == "bshd" else 2
+        if any(tuple(x.placements) != (Shard(seq_dim),) for x in (q, k, v)):
+            raise ValueError(f"q, k, v must be placed (Shard({seq_dim}),) (the sequence dim of layout={layout!r})")
         q_global = tuple(q.shape)
         q, k, v = q.to_local(), k.to_local(), v.to_local()
         if isinstance(pad, DTensor):

@@ -428,17 +428,23 @@ def gather_mask_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int
 # and its autograd formula: dynamo and AOTAutograd never look inside, so the ring keeps its overlap of hop
 # and compute (the same ring_forward / ring_backward as eager), and each op appears once in the graph. Groups
 # travel by name; the ring's RingPlan by a key into _RING_PLANS (a string made of the plan's contents, so
-# that equal plans of later steps reuse the compiled graph).
-_RING_PLANS: dict[str, RingPlan] = {}
+# that equal plans of later steps reuse the compiled graph). The registry holds no process group: the ring's
+# group is found by name when the op runs (a graph outlives a mesh destroyed and built again alike).
+_RING_PLANS: dict[str, tuple[RingPlan, str]] = {}
 
 
 def register_ring_plan(plan: RingPlan) -> str:
-    """The key of ``plan`` for :func:`ring_attention_op` (the latest plan with that content is the one used)."""
+    """The key of ``plan`` for :func:`ring_attention_op`."""
     group = "" if plan.group is None else plan.group.group_name
     key = repr((group, plan.index, plan.q_segments, plan.kv_segments, plan.kv_lengths, plan.causal, plan.scale))
     key = f"{key}/{plan.kernel.value}"
-    _RING_PLANS[key] = plan
+    _RING_PLANS[key] = (dataclasses.replace(plan, group=None), group)
     return key
+
+
+def _ring_plan(key: str) -> RingPlan:
+    plan, group = _RING_PLANS[key]
+    return plan if not group else dataclasses.replace(plan, group=_group(group))
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -452,7 +458,7 @@ def ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, key: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ring_forward` with the RingPlan registered under ``key``: ``(out, lse)``."""
-    return ring_forward(q, k, v, pad, _RING_PLANS[key])
+    return ring_forward(q, k, v, pad, _ring_plan(key))
 
 
 @ring_attention_op.register_fake
@@ -472,7 +478,7 @@ def ring_attention_backward_op(
     key: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ring_backward` with the RingPlan registered under ``key``: ``(dq, dk, dv)``."""
-    return ring_backward(dout, q, k, v, out, lse, pad, _RING_PLANS[key])
+    return ring_backward(dout, q, k, v, out, lse, pad, _ring_plan(key))
 
 
 @ring_attention_backward_op.register_fake

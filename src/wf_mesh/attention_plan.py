@@ -26,7 +26,7 @@ from wf_mesh.agreement import Facts, agree, fact
 from wf_mesh.attention_ops import rank_segments
 from wf_mesh.context_parallel import cp_mesh
 from wf_mesh.errors import ShapeMismatchError
-from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none
+from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none, register_extension
 from wf_mesh.topology import as_int
 
 __all__ = ["CPAttentionPlan", "plan_cp_attention"]
@@ -205,6 +205,15 @@ def dtensor_plan(mesh: DeviceMesh, seq_len: int) -> CPAttentionPlan:
 
 _PLANS: dict[str, CPAttentionPlan] = {}
 """The latest plan of each key (cp_attention's compiled path finds its plan by key)."""
+
+
+def _forget_plans(destroy_process_groups: bool) -> None:
+    """The mesh is going away: forget its plans (they hold its meshes and groups; a plan of a destroyed mesh
+    cannot run). Compiled graphs do not read them (only tracing does)."""
+    _PLANS.clear()
+
+
+register_extension("attention_plan", _forget_plans)
 
 
 def planned(key: str) -> CPAttentionPlan:

@@ -55,7 +55,9 @@ __all__ = [
     "c10d_ops",
     "counting_backend",
     "destroy_subgroups",
+    "dispatched",
     "get_cluster",
+    "graph_breaks",
     "host_syncs",
     "process_group_counts",
     "run_distributed",
@@ -523,3 +525,40 @@ def counting_backend(inner: str = "aot_eager") -> tuple[Callable[..., Any], list
         return compile_graph(gm, example_inputs)
 
     return backend, compiles
+
+
+def dispatched(on_outputs: Callable[[list[torch.Tensor]], None]) -> Any:
+    """A context manager in which ``on_outputs(tensors)`` sees the tensor outputs of every op dispatched on this
+    thread (and in autograd's backward), after it ran (e.g. to track the live bytes a call allocates).
+
+    Args:
+        on_outputs: called with each op's output tensors.
+
+    Returns:
+        The dispatch mode, to use in a ``with`` statement.
+    """
+    from wf_mesh import _compat
+
+    class Outputs(_compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            flat = result if isinstance(result, (tuple, list)) else [result]
+            on_outputs([t for t in flat if isinstance(t, torch.Tensor)])
+            return result
+
+    return Outputs()
+
+
+def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:
+    """How dynamo captures ``fn(*args, **kwargs)`` (``torch._dynamo.explain``, nothing compiled).
+
+    Args:
+        fn: the function to trace.
+        args, kwargs: its arguments.
+
+    Returns:
+        ``(graphs, graph breaks, the reasons of the breaks)``.
+    """
+    from wf_mesh import _compat
+
+    return _compat.graph_breaks(fn, *args, **kwargs)
