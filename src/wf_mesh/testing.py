@@ -539,7 +539,7 @@ def dispatched(on_outputs: Callable[[list[torch.Tensor]], None]) -> Any:
     """
     from wf_mesh import _compat
 
-    class Outputs(_compat.dispatch_mode()):
+    class Outputs(_compat.dispatch_mode()):  # type: ignore[misc]  # torch's base class, found at run time
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             result = func(*args, **(kwargs or {}))
             flat = result if isinstance(result, (tuple, list)) else [result]
@@ -554,7 +554,8 @@ def graph_breaks(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int
 
     Args:
         fn: the function to trace.
-        args, kwargs: its arguments.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
 
     Returns:
         ``(graphs, graph breaks, the reasons of the breaks)``.
