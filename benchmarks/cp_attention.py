@@ -123,13 +123,19 @@ def sample(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int, trials: int) -> dict:
-    b, h, hkv, s, d = dims
-    n = dist.get_world_size()
+def method_meshes(n: int):
+    """The cp mesh over all ``n`` ranks and each method's mesh (usp: a 2-D (n/2, 2) mesh, from 4 ranks on)."""
     pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=n))
     meshes = {"allgather": pm, "ring": pm, "ulysses": pm}
     if n >= 4:
         meshes["usp"] = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    return pm, meshes
+
+
+def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int, trials: int) -> dict:
+    b, h, hkv, s, d = dims
+    n = dist.get_world_size()
+    pm, meshes = method_meshes(n)
     balance = "zigzag" if causal else None
 
     def shard(x):
@@ -218,10 +224,7 @@ def bench_plan_compile(dims, iters: int, trials: int, backend: str, steps: int =
     each), the counts per call with and without a plan, and the peak bytes one planned call allocates."""
     b, h, hkv, s, d = dims
     n = dist.get_world_size()
-    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=n))
-    meshes = {"allgather": pm, "ring": pm, "ulysses": pm}
-    if n >= 4:
-        meshes["usp"] = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("cp_ring", "cp_ulysses"))
+    pm, meshes = method_meshes(n)
     shapes = [(b, h, s, d), (b, hkv, s, d), (b, hkv, s, d)]
     q, k, v = (wf_mesh.shard_sequence(sample(x, i), 2, mesh=pm).requires_grad_() for i, x in enumerate(shapes))
     dout = wf_mesh.shard_sequence(sample((b, h, s, d), 3), 2, mesh=pm)

@@ -392,6 +392,7 @@ def gradchecks(variants):
     return results
 
 
+@pytest.mark.slow  # gradcheck runs hundreds of collective forwards: 25 s of the fast lane
 @pytest.mark.parametrize("world", sorted(GRADCHECKS))
 def test_gradcheck_in_float64(world):
     assert run_distributed(world, gradchecks, GRADCHECKS[world]) == [[True] * len(GRADCHECKS[world])] * world

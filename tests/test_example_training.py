@@ -94,11 +94,11 @@ def assert_close(got, expected, what):
 @pytest.mark.parametrize(
     ("world", "args", "batch"),
     [
-        (2, (), 4),  # dp 2
-        (2, ("--cp", "2"), 4),  # cp 2, ring
-        (4, ("--cp", "2"), 4),  # dp 2 x cp 2
-        (4, ("--cp", "4", "--cp-method", "usp", "--cp-ulysses", "2"), 4),  # cp 4 = ring 2 x ulysses 2
-        (4, ("--cp", "2", "--cp-method", "ulysses"), 3),  # uneven: the dp ranks hold 2 and 1 samples
+        pytest.param(2, (), 4, marks=pytest.mark.slow),  # dp 2
+        pytest.param(2, ("--cp", "2"), 4, marks=pytest.mark.slow),  # cp 2, ring
+        (4, ("--cp", "2"), 4),  # dp 2 x cp 2: the fast lane's one
+        pytest.param(4, ("--cp", "4", "--cp-method", "usp", "--cp-ulysses", "2"), 4, marks=pytest.mark.slow),
+        pytest.param(4, ("--cp", "2", "--cp-method", "ulysses"), 3, marks=pytest.mark.slow),  # uneven: 2 and 1
     ],
     ids=["dp2", "cp2-ring", "dp2xcp2-ring", "cp4-usp", "dp2xcp2-ulysses-uneven"],
 )
@@ -111,6 +111,7 @@ def test_loss_trajectory_and_weights_match_one_process(world, args, batch):
     assert_close(result, reference, f"{world} processes {' '.join(args)}")
 
 
+@pytest.mark.slow
 def test_resume_at_2_processes_from_a_checkpoint_taken_at_4(tmp_path):
     saved = run_distributed(4, train, [*SHAPE, "--steps", "3", "--quiet", "--cp", "2", "--ckpt-dir", str(tmp_path),
                                        "--save-every", "3"])[0]  # fmt: skip

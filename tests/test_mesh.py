@@ -225,6 +225,7 @@ def destroy_init_cycles(cycles):
     return fds, groups
 
 
+@pytest.mark.slow
 def test_destroy_init_50_cycles_leaks_nothing():
     for fds, groups in run_distributed(2, destroy_init_cycles, 50):
         assert fds[-1] == fds[4], fds  # flat after warm-up: the groups' sockets are really closed

@@ -148,6 +148,7 @@ def hsdp_cycles(cycles):
     return fds
 
 
+@pytest.mark.slow
 def test_hsdp_init_destroy_cycles_leak_nothing():
     for fds in run_distributed(4, hsdp_cycles, 20):
         assert fds[-1] == fds[3], fds
