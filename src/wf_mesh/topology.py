@@ -3,7 +3,7 @@
 Nothing here touches ``torch.distributed`` (or imports torch): the same object plans a million ranks in a
 notebook, drives ``wf-mesh plan``, and is what :class:`wf_mesh.mesh.ParallelMesh` builds its DeviceMesh from.
 It is also the ONE place where degrees are validated; every other entry point (``init_parallel``,
-``initialize_model_parallel``, ``dist_init``, the CLI) builds a ParallelDims and lets it judge.
+``init_from_env``, the CLI, and the layers above them) builds a ParallelDims and lets it judge.
 
 The axes are data: :data:`AXIS_TABLE` lists every base axis (name, default degree, place in the default order,
 allowed degrees, CLI flag, description, sub-axes) and everything else is derived from it: :data:`AXES`,
