@@ -1,11 +1,13 @@
 """dist_init (the legacy wrapper over init_from_env): config and environment validation, CPU/gloo
 initialization, idempotence."""
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,8 @@ import torch.distributed as dist
 
 import wf_mesh
 from wf_mesh.testing import run_distributed
+
+from helpers import raised_everywhere
 
 CONFIG = {"distributed_backend": "gloo", "distributed_timeout_minutes": 5, "cp_size": 2, "pp_size": 1}
 
@@ -143,3 +147,152 @@ def test_without_a_launcher_it_runs_as_one_process():
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["gloo", 1, {"tp": 0, "cp": 0, "pp": 0, "dp": 0}, "cpu"]
     assert "init_from_env: no launcher (RANK, WORLD_SIZE, SLURM_PROCID not set): a single process" in out.stderr
+
+
+# ---- no silently ignored setting ----------------------------------------------------------------------
+ACCEPTED = (
+    "dist_init reads distributed_backend, distributed_timeout_minutes, tp_size, cp_size, pp_size, dp_size, order, "
+    "cp_ulysses_size, dp_replicate; Megatron's tensor_model_parallel_size (tp_size), context_parallel_size "
+    "(cp_size), pipeline_model_parallel_size (pp_size), data_parallel_size (dp_size); MAGI-1's cp_strategy, "
+    "ulysses_overlap_degree (checked, not applied); other keys are ignored"
+)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """MAGI-1's engine config (its fields as MAGI-1 declares them), the distributed ones and the others."""
+
+    distributed_backend: str = "gloo"
+    distributed_timeout_minutes: int = 10
+    pp_size: int = 1
+    cp_size: int = 1
+    cp_strategy: str = "none"
+    ulysses_overlap_degree: int = 1
+    fp8_quant: bool = False
+    distill_nearly_clean_chunk_threshold: float = 0.3
+    shortcut_mode: str = "8,16,16"
+    distill: bool = False
+    kv_offload: bool = False
+    enable_cuda_graph: bool = False
+
+    @property
+    def cp_sizes(self):  # a property (a near-miss of cp_size by name) is not a setting
+        return [self.cp_size]
+
+    def tp_sizes(self):  # nor is a method
+        return 1
+
+
+class ClassLevelConfig:
+    """A config whose settings are class attributes (read by getattr, so checked too)."""
+
+    cp_size = 2
+    tp_szie = 2
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"cp_sizee": 1}, "'cp_sizee' is not a key dist_init reads (did you mean 'cp_size'?)"),
+        (SimpleNamespace(cp_szie=2), "'cp_szie' is not a key dist_init reads (did you mean 'cp_size'?)"),
+        ({"CP_SIZE": 2}, "'CP_SIZE' is not a key dist_init reads (did you mean 'cp_size'?)"),
+        ({"dp_replicas": 2}, "'dp_replicas' is not a key dist_init reads (did you mean 'dp_replicate'?)"),
+        (ClassLevelConfig(), "'tp_szie' is not a key dist_init reads (did you mean 'tp_size'?)"),
+        ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2 is not read by dist_init: use tp_size"),
+        ({"ulysses_degree": 2}, "ulysses_degree=2 is not read by dist_init: use cp_ulysses_size (with cp_size"),
+        (SimpleNamespace(cp=2), "cp=2 is not read by dist_init: use cp_size"),
+        ({"ep_size": 2}, "ep_size=2 asks for expert parallelism, which wf_mesh does not shard; only None or 1"),
+        (
+            {"virtual_pipeline_model_parallel_size": 2},
+            "virtual_pipeline_model_parallel_size=2 asks for a virtual pipeline: use initialize_model_parallel(",
+        ),
+    ],
+)
+def test_near_misses_and_foreign_settings_raise_naming_the_key(config, message):
+    with pytest.raises(ValueError) as raised:
+        wf_mesh.dist_init(config)
+    assert str(raised.value).startswith(f"dist_init: config {message}")
+    assert str(raised.value).endswith(f". {ACCEPTED}")
+    assert not dist.is_initialized()
+
+
+def test_every_bad_key_is_named_at_once():
+    config = {"cp_sizee": 1, "tensor_parallel_degree": 2, "fp8_quant": True, "expert_model_parallel_size": 1}
+    with pytest.raises(ValueError) as raised:
+        wf_mesh.dist_init(config)
+    assert str(raised.value) == (
+        "dist_init: config 'cp_sizee' is not a key dist_init reads (did you mean 'cp_size'?); "
+        f"tensor_parallel_degree=2 is not read by dist_init: use tp_size. {ACCEPTED}"
+    )
+
+
+@pytest.mark.parametrize(
+    "config, error, message",
+    [
+        (
+            {"cp_size": 2, "context_parallel_size": 4},
+            ValueError,
+            "dist_init: config cp_size=2 and context_parallel_size=4 are two spellings of cp_size with different "
+            "values; give one",
+        ),
+        (
+            {"tensor_model_parallel_size": "2"},
+            TypeError,
+            "dist_init: config tensor_model_parallel_size must be an int, got str '2'",
+        ),
+        ({"data_parallel_size": 0}, ValueError, "dist_init: config data_parallel_size=0 must be >= 1"),
+        (
+            {"cp_strategy": 2},
+            TypeError,
+            "dist_init: config cp_strategy must be a str (one of none, cp_ulysses, cp_shuffle_overlap), got int 2",
+        ),
+        (
+            {"ulysses_overlap_degree": 0},
+            ValueError,
+            "dist_init: config ulysses_overlap_degree=0 must be >= 1",
+        ),
+    ],
+)
+def test_aliases_and_magi_settings_are_checked(config, error, message):
+    with pytest.raises(error) as raised:
+        wf_mesh.dist_init(config)
+    assert str(raised.value) == message
+    assert not dist.is_initialized()
+
+
+def dist_init_dims(config):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mesh = wf_mesh.dist_init(config)
+    return mesh.dims, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_megatron_spellings_are_applied():
+    """The issue's case: {"context_parallel_size": 2} on 4 processes built dp=4, cp=1."""
+    results = run_distributed(4, dist_init_dims, {"context_parallel_size": 2})
+    assert [dims for dims, _ in results] == [wf_mesh.ParallelDims(cp=2, dp=2).resolve(4)] * 4
+    megatron = SimpleNamespace(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=1,
+                               data_parallel_size=1, expert_model_parallel_size=1,
+                               virtual_pipeline_model_parallel_size=None, cp_size=2, seq_length=4096)  # fmt: skip
+    results = run_distributed(4, dist_init_dims, megatron)
+    assert [dims for dims, _ in results] == [wf_mesh.ParallelDims(tp=2, cp=2, dp=1).resolve(4)] * 4
+    assert all(caught == [] for _, caught in results)
+
+
+def test_magi_engine_config_builds_its_mesh_and_says_what_it_does_not_apply():
+    results = run_distributed(2, dist_init_dims, EngineConfig(cp_size=2, cp_strategy="cp_ulysses",
+                                                              ulysses_overlap_degree=2, fp8_quant=True))  # fmt: skip
+    assert [dims for dims, _ in results] == [wf_mesh.ParallelDims(cp=2).resolve(2)] * 2
+    assert results[0][1] == [
+        "dist_init: MAGI-1's attention settings are not applied (wf_mesh chooses the CP attention method per call): "
+        "cp_strategy='cp_ulysses': pass method='ulysses' to cp_attention / CPSelfAttention; "
+        "ulysses_overlap_degree=2: wf_mesh has no such setting"
+    ]
+    assert results[1][1] == []  # rank 0 says it once
+    quiet = run_distributed(2, dist_init_dims, SimpleNamespace(engine_config=EngineConfig(cp_size=2)))  # "none", 1
+    assert [caught for _, caught in quiet] == [[], []]
+
+
+def test_a_bad_key_raises_on_every_rank_before_any_collective():
+    outcomes = run_distributed(4, wf_mesh.dist_init, {"cp_size": 2, "cp_sizee": 1}, return_exceptions=True)
+    raised_everywhere(outcomes, ValueError, re.escape("'cp_sizee' is not a key dist_init reads (did you mean"))
