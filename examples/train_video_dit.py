@@ -26,7 +26,8 @@ up to fp32 rounding.
 Checkpoints (``--ckpt-dir DIR --save-every N``): model and optimizer (``get_state_dict``, resharded by DCP
 at any world size), the EMA (``ShardedEMA.state_dict()`` DTensors) and the step count, saved with
 ``torch.distributed.checkpoint`` to ``DIR/step_000N``. At start the newest complete checkpoint in
-``DIR`` (one with DCP's ``.metadata``, written last and atomically) is loaded and training continues after it.
+``DIR`` (one with DCP's ``.metadata``, written last and atomically) is loaded and training continues after it;
+a checkpoint at (or past) ``--steps`` is a finished run: it says so and trains nothing.
 
 Run::
 
@@ -57,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from loguru import logger
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -87,14 +89,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp = world size / cp)")
     p.add_argument("--cp-method", choices=("ring", "ulysses", "usp", "allgather"), default="ring",
                    help="cp attention method")  # fmt: skip
-    p.add_argument("--cp-ulysses", type=int, default=1, help="Ulysses part of cp (for --cp-method usp)")
+    p.add_argument("--cp-ulysses", type=int, default=1,
+                   help="Ulysses part of cp: > 1 and dividing --cp for --cp-method usp, 1 otherwise")  # fmt: skip
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save checkpoints here and resume from the newest")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes the result of main() here (torch.save)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep this many seconds after each step (to watch a run, or to give a fault-injection "
                         "test time to act)")  # fmt: skip
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines, and no log lines of wf_mesh")
     args = p.parse_args(argv)
     for name in "steps batch channels frames height width dim heads depth cp cp_ulysses".split():
         if getattr(args, name) < 1:
@@ -107,6 +110,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--save-every needs --ckpt-dir")
     if args.cp_ulysses > 1 and args.cp_method != "usp":
         p.error("--cp-ulysses > 1 is for --cp-method usp")
+    if args.cp_method == "usp" and args.cp_ulysses == 1:
+        p.error("--cp-method usp needs --cp-ulysses N > 1 (the Ulysses part of --cp; the ring is the rest)")
+    if args.cp % args.cp_ulysses:
+        p.error(f"--cp-ulysses {args.cp_ulysses} must divide --cp {args.cp} (cp = ring x ulysses)")
     return args
 
 
@@ -242,8 +249,14 @@ def main(argv: list[str] | None = None) -> dict:
     and on leaving the ``with`` block tears down what it created.
     """
     args = parse_args(argv)
-    with wf_mesh.init_from_env(wf_mesh.ParallelDims(cp=args.cp, cp_ulysses=args.cp_ulysses)) as session:
-        return train(args, session.mesh)
+    if args.quiet:  # wf_mesh's own log lines too (loguru's switch for a library's records)
+        logger.disable("wf_mesh")
+    try:
+        with wf_mesh.init_from_env(wf_mesh.ParallelDims(cp=args.cp, cp_ulysses=args.cp_ulysses)) as session:
+            return train(args, session.mesh)
+    finally:
+        if args.quiet:
+            logger.enable("wf_mesh")
 
 
 def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
@@ -280,7 +293,10 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
         loaded = load_checkpoint(path, model, optimizer, ema, device)
         if loaded != start:
             raise RuntimeError(f"{path} holds step {loaded}, its name says {start}")
-        log(f"resumed from {path} (step {start})")
+        if start >= args.steps:  # nothing left to train: say so, return the checkpoint's weights
+            log(f"run already complete at step {start} ({path}, --steps {args.steps}): nothing to train")
+        else:
+            log(f"resumed from {path} (step {start})")
 
     losses: dict[int, float] = {}
     grad_norms: dict[int, float] = {}
@@ -320,8 +336,8 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     if rank == 0 and args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(result, args.out)
-    last = f"final loss {losses[args.steps]:.6f}, " if losses else ""
-    log(f"done: step {args.steps}, {last}weights sha256 {result['digest']}")
+    if losses:
+        log(f"done: step {args.steps}, final loss {losses[args.steps]:.6f}, weights sha256 {result['digest']}")
     return result
 
 

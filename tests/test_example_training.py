@@ -126,6 +126,26 @@ def test_resume_at_2_processes_from_a_checkpoint_taken_at_4(tmp_path):
     assert_close(resumed[0], after(uninterrupted, 3), "4 processes to step 3, then 2")
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cp-method", "usp"], "--cp-method usp needs --cp-ulysses N > 1 (the Ulysses part of --cp; the ring is "
+                                 "the rest)"),
+        (["--cp", "2", "--cp-method", "usp", "--cp-ulysses", "1"], "--cp-method usp needs --cp-ulysses N > 1"),
+        (["--cp", "4", "--cp-method", "usp", "--cp-ulysses", "3"], "--cp-ulysses 3 must divide --cp 4 (cp = ring x "
+                                                                    "ulysses)"),
+        (["--cp", "2", "--cp-ulysses", "2"], "--cp-ulysses > 1 is for --cp-method usp"),
+    ],
+)  # fmt: skip
+def test_cp_flags_that_cannot_work_fail_at_parse_time_naming_the_flag(argv, message, capsys):
+    import train_video_dit
+
+    with pytest.raises(SystemExit) as exited:
+        train_video_dit.parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].split(": error: ", 1)[1].startswith(message)  # after the prog
+
+
 # ---- slow: processes of their own ---------------------------------------------------------------------
 def clean_env(**extra):
     """This environment without a launcher's variables (so the script starts its own world), plus ``extra``."""
@@ -148,6 +168,27 @@ def test_runs_as_one_process_without_a_launcher():
         [run(1, "--batch", "4")["losses"][s] for s in (1, 2)], abs=1e-6
     )  # printed with 6 decimals
     assert "1 process(es) = dp 1 x cp 1" in done.stdout and "done: step 2" in done.stdout
+
+
+@pytest.mark.slow
+def test_quiet_is_quiet_and_a_finished_run_says_so(tmp_path):
+    """--quiet: no output at all, not even wf_mesh's "no launcher" log line; run again (not quiet) on the
+    finished checkpoint directory: it says the run is complete, trains nothing and exits 0."""
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.pt", tmp_path / "second.pt"
+    args = [sys.executable, str(SCRIPT), *SHAPE, "--steps", "1", "--ckpt-dir", str(ckpt), "--save-every", "1"]
+    quiet = subprocess.run([*args, "--quiet", "--out", str(first)], env=clean_env(), capture_output=True, text=True,
+                           timeout=TIMEOUT)  # fmt: skip
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+    again = subprocess.run([*args, "--out", str(second)], env=clean_env(), capture_output=True, text=True,
+                           timeout=TIMEOUT)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    trained, resumed = torch.load(first), torch.load(second)
+    assert (trained["start_step"], sorted(trained["losses"])) == (0, [1])
+    assert (resumed["start_step"], resumed["losses"], resumed["grad_norms"]) == (1, {}, {})  # trained nothing
+    assert resumed["digest"] == trained["digest"] and sorted(os.listdir(ckpt)) == ["step_000001"]
+    assert f"run already complete at step 1 ({ckpt / 'step_000001'}, --steps 1): nothing to train" in again.stdout
+    assert "step 1/1" not in again.stdout and "done:" not in again.stdout
+    assert "init_from_env: no launcher" in again.stderr  # not quiet: the log line is there
 
 
 def marked(marker, *entries):
