@@ -117,6 +117,39 @@ def test_plan_honours_order_dp_and_cp_ulysses(capsys):
     assert "cp 4 (cp_ring 2 x cp_ulysses 2)" in out and "cp_ulysses (16 groups of 2)" in out
 
 
+@pytest.mark.parametrize(
+    "world, degrees, order, layout",
+    [
+        (8, {"tp": 2, "cp": 2, "pp": 2}, "tp-cp-ep-dp-pp", "tp-cp-dp-pp"),  # Megatron's default
+        (8, {"tp": 2, "pp": 2}, "tp-pp-dp", "tp-pp-dp-cp"),  # cp 1 may be left out, as in Megatron
+        (8, {"cp": 2, "pp": 2}, "tp-cp-ep-pp-dp", "tp-cp-pp-dp"),
+    ],
+)
+def test_plan_takes_megatrons_orders_as_initialize_model_parallel_does(capsys, world, degrees, order, layout):
+    """One ParallelDims judges both (``ep``, expert parallelism of degree 1, is accepted and dropped): the plan
+    printed is the groups Megatron's initialize_model_parallel builds with that order."""
+    flags = [arg for axis, n in degrees.items() for arg in (f"--{axis}", str(n))]
+    assert cli.main(["plan", "--world-size", str(world), *flags, "--order", order]) == 0
+    dims = wf_mesh.ParallelDims(**degrees, order=order).resolve(world)
+    assert dims.axis_order == tuple(layout.split("-"))
+    assert capsys.readouterr().out == str(TopologyView(dims)) + "\n"
+    built = run_distributed(world, _megatron_groups, order, degrees)
+    assert built == [{axis: dims.group_of(axis, rank) for axis in ("tp", "cp", "pp", "dp")} for rank in range(world)]
+
+
+def _megatron_groups(order, degrees):
+    from wf_mesh import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=degrees.get("tp", 1),
+        pipeline_model_parallel_size=degrees.get("pp", 1),
+        context_parallel_size=degrees.get("cp", 1),
+        order=order,
+    )
+    mesh = wf_mesh.get_parallel_mesh()
+    return {axis: mesh.ranks(axis) for axis in ("tp", "cp", "pp", "dp")}
+
+
 def test_plan_one_axis_highlight_limits_and_html(capsys, tmp_path):
     page = tmp_path / "plan.html"
     args = [
