@@ -254,7 +254,7 @@ def misuse(case):
     """One rank (or every rank) calls a CP function wrongly; every rank must raise the same error."""
     mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
     group, rank = mesh.group("cp"), dist.get_rank()
-    x = torch.zeros(2, 4)
+    x, x3 = torch.zeros(2, 4), torch.zeros(2, 4, 4)
     calls = {
         "cat_shape": lambda: wf_mesh.cat_outputs_cp(torch.zeros(2, 3 + rank), 1, group),
         "cat_dtype": lambda: wf_mesh.cat_outputs_cp(x.to(torch.float32 if rank else torch.float16), 1, group),
@@ -273,6 +273,17 @@ def misuse(case):
             torch.zeros(9, 2) if rank == 0 else None, 0, group
         ),
         "bad_dim": lambda: wf_mesh.split_inputs_cp(x, 2, group),
+        # gathered along another dim than it was sharded on: a (2, 2, 8) tensor, silently, before the record
+        "shard_gathered_on_another_dim": lambda: wf_mesh.gather_sequence(wf_mesh.shard_sequence(x3, 1), 2),
+        "one_rank_gathers_its_shard_on_another_dim": lambda: wf_mesh.gather_sequence(
+            wf_mesh.shard_sequence(x3, 1) if rank else torch.zeros(2, 2, 4), 2
+        ),
+        "broadcast_shard_gathered_on_another_dim": lambda: wf_mesh.gather_sequence(
+            wf_mesh.broadcast_shard(x3 if rank == 0 else None, 1), -1
+        ),
+        "dtensor_gathered_on_another_dim": lambda: wf_mesh.gather_sequence(
+            wf_mesh.shard_sequence(x3, 1, as_dtensor=True), 2
+        ),
     }
     return calls[case]()
 
@@ -315,6 +326,21 @@ MISUSE = {
         r"broadcast_split_tensor: sequence length 9 \(seq_dim=0\) is not divisible by the cp size 2",
     ),
     "bad_dim": (IndexError, r"seq_dim=2 is out of range for a tensor with 2 dims"),
+    "shard_gathered_on_another_dim": (
+        ValueError,
+        r"^gather_sequence: seq_dim=2 but this tensor is a shard that shard_sequence made along dim 1 \(local "
+        r"shape \(2, 2, 4\)\); gather it with seq_dim=1$",
+    ),
+    "one_rank_gathers_its_shard_on_another_dim": (
+        ValueError,
+        r"^gather_sequence: rank 1: seq_dim=2 but this tensor is a shard that shard_sequence made "
+        r"along dim 1 .* \(raised on every rank of the group \[0, 1\]\)$",
+    ),
+    "broadcast_shard_gathered_on_another_dim": (
+        ValueError,
+        r"seq_dim=-1 but this tensor is a shard that broadcast_shard made along dim 1 \(local shape \(2, 2, 4\)\)",
+    ),
+    "dtensor_gathered_on_another_dim": (ValueError, r"seq_dim=2 but the DTensor is sharded on dim 1"),
 }
 
 
@@ -324,6 +350,26 @@ def test_misuse_raises_the_same_error_on_every_rank(case):
     messages = raised_everywhere(run_distributed(2, misuse, case, return_exceptions=True), error, match)
     if case != "bad_dim":  # split_inputs_cp has no collective: each rank raises its own message
         assert messages[0] == messages[1]
+
+
+def records_that_do_not_apply():
+    """The shard record refuses only a contradiction: a module's output, a shard changed in place, and the
+    shard itself along its own dim all gather as before."""
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    x = sample((2, 4, 2))
+    local = wf_mesh.shard_sequence(x, 1)  # (2, 2, 2)
+    same = wf_mesh.gather_sequence(local, 1)
+    output = wf_mesh.gather_sequence(torch.tanh(local).transpose(1, 2), 2)  # a new tensor: no record
+    local.transpose_(1, 2)  # the same shape, the sequence now on dim 2: the record no longer describes it
+    moved = wf_mesh.gather_sequence(local, 2)
+    return same, output, moved, x
+
+
+def test_a_shard_record_refuses_only_a_contradiction():
+    for same, output, moved, x in run_distributed(2, records_that_do_not_apply):
+        assert torch.equal(same, x)
+        assert torch.equal(output, torch.tanh(x).transpose(1, 2))
+        assert torch.equal(moved, x.transpose(1, 2))
 
 
 def dtensor_on_another_mesh():

@@ -24,7 +24,8 @@ needs no ``seq_dim``. (An ordinary module cannot mix a DTensor input with its pl
 plain tensors are the default.)
 
 Uneven lengths follow ``torch.chunk`` sizing (:mod:`wf_mesh.sizing`; trailing ranks may get nothing). The
-global shape is always passed to ``DTensor.from_local``; it is never inferred.
+global shape is always passed to ``DTensor.from_local``; it is never inferred. A plain shard remembers its
+``seq_dim`` (an attribute of the returned tensor), so gathering that tensor along another dim raises.
 
 Every call that communicates agrees first (:mod:`wf_mesh.agreement`): ranks exchange ``seq_dim``, the
 global length, DTensor-or-plain, dtype and shape in one small all-gather, so a bad or mismatched argument on
@@ -102,6 +103,38 @@ def local_chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tens
     return x.narrow(dim, start, stop - start)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ShardRecord:
+    """How a plain shard was made, kept on the tensor that :func:`shard_sequence` / :func:`broadcast_shard`
+    return: the dim it was sharded on, and the tensor's shape and strides then (an in-place view change such
+    as ``transpose_`` voids the record rather than make it lie)."""
+
+    seq_dim: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    made_by: str
+
+
+_RECORD = "_wf_mesh_shard"  # an attribute of our own on the returned tensor: no registry, no collective
+
+
+def _record_shard(local: torch.Tensor, dim: int, made_by: str) -> torch.Tensor:
+    if not torch.compiler.is_compiling():  # a Python attribute is a side effect dynamo need not trace
+        try:
+            setattr(local, _RECORD, _ShardRecord(dim, tuple(local.shape), local.stride(), made_by))
+        except (AttributeError, TypeError, RuntimeError):  # a tensor type without attributes: no record
+            pass
+    return local
+
+
+def _shard_record(x: torch.Tensor) -> tuple[int, str] | None:
+    # (seq_dim, the function) of a plain shard shard_sequence / broadcast_shard returned, still laid out as then
+    record = getattr(x, _RECORD, None)
+    if not isinstance(record, _ShardRecord) or (record.shape, record.stride) != (tuple(x.shape), x.stride()):
+        return None
+    return record.seq_dim, record.made_by
+
+
 def sequence_dtensor(
     local: torch.Tensor,
     seq_dim: int,
@@ -133,6 +166,10 @@ def shard_sequence(
     sharding a shard shards it again. A DTensor ``x`` on the cp mesh is redistributed to ``Shard(seq_dim)``;
     one on another mesh is an error.
 
+    The plain shard remembers ``seq_dim`` (a Python attribute, no collective): :func:`gather_sequence` of that
+    very tensor with another ``seq_dim`` raises instead of concatenating the wrong dim. A new tensor computed
+    from it (a module's output) carries no record.
+
     Returns:
         A plain tensor, so ordinary modules can run on it; with ``as_dtensor=True`` a DTensor placed
         ``Shard(seq_dim)`` with the full global shape instead.
@@ -142,9 +179,11 @@ def shard_sequence(
     if isinstance(x, DTensor):
         _require_mesh(x, mesh, "shard_sequence")
         out = x.redistribute(mesh, [Shard(dim)])
-        return out if as_dtensor else out.to_local()
+        return out if as_dtensor else _record_shard(out.to_local(), dim, "shard_sequence")
     local = local_chunk(x, dim, mesh.size(), mesh.get_local_rank())
-    return sequence_dtensor(local, dim, x.shape, mesh=mesh) if as_dtensor else local
+    return (
+        sequence_dtensor(local, dim, x.shape, mesh=mesh) if as_dtensor else _record_shard(local, dim, "shard_sequence")
+    )
 
 
 def _require_mesh(x: DTensor, mesh: DeviceMesh, what: str) -> None:
@@ -197,8 +236,15 @@ def _gather_facts(
         return _GatherFacts(placement.dim, x.shape[placement.dim], x.dtype, local_shape, input="DTensor", grad=grad)
     if seq_dim is None:
         raise TypeError("gather_sequence: a plain tensor needs seq_dim (only a DTensor carries its placement)")
+    dim = normalize_dim(seq_dim, x.ndim)
+    record = _shard_record(x)
+    if record is not None and record[0] != dim:
+        raise ValueError(
+            f"seq_dim={seq_dim} but this tensor is a shard that {record[1]} made along dim "
+            f"{record[0]} (local shape {tuple(x.shape)}); gather it with seq_dim={record[0]}"
+        )
     total = None if seq_len is None else as_int("seq_len", seq_len, minimum=0)
-    return _GatherFacts(normalize_dim(seq_dim, x.ndim), total, x.dtype, tuple(x.shape), input="plain tensor", grad=grad)
+    return _GatherFacts(dim, total, x.dtype, tuple(x.shape), input="plain tensor", grad=grad)
 
 
 def gather_sequence(
@@ -217,7 +263,9 @@ def gather_sequence(
     ``torch.chunk`` sizing over the cp ranks. ``grad`` chooses the backward rule (module docstring).
 
     Ranks agree first on DTensor-or-plain, dim, global length, dtype and the other dims (one tiny
-    all-gather): any disagreement or bad argument raises on every rank before data moves. With checks off
+    all-gather): any disagreement or bad argument raises on every rank before data moves. A ``seq_dim`` that
+    contradicts how ``x`` was sharded is a bad argument wherever that is known: a DTensor's ``Shard`` dim, or
+    the record a plain shard of :func:`shard_sequence` / :func:`broadcast_shard` keeps. With checks off
     (``WF_MESH_CHECKS=0``), a plain ``x`` of an uneven split needs ``seq_len`` (the default is then local
     length x cp size).
 
@@ -228,7 +276,8 @@ def gather_sequence(
         ShapeMismatchError: shards that disagree on dtype or the other dims, or that are not the
             ``torch.chunk`` shards of the global length.
         DisagreementError: ranks that disagree on ``seq_dim``, ``seq_len``, ``grad`` or DTensor-or-plain.
-        IndexError, TypeError, ValueError: a bad argument on any rank.
+        IndexError, TypeError, ValueError: a bad argument on any rank (ValueError: ``seq_dim`` contradicts the
+            DTensor's placement or the shard's record).
     """
     group_mesh = cp_mesh(mesh if mesh is not None or not isinstance(x, DTensor) else x.device_mesh)
     agreed = agreement.agree(
@@ -339,7 +388,7 @@ def broadcast_shard(
     dist.scatter(buffer, chunks, group=group, group_src=0)
     out = tensor_from_bytes(buffer, dtype, padded_shape).narrow(dim, 0, sizes[index])
     out = out if sizes[index] == sizes[0] else out.contiguous()
-    return sequence_dtensor(out, dim, shape, mesh=mesh) if as_dtensor else out
+    return sequence_dtensor(out, dim, shape, mesh=mesh) if as_dtensor else _record_shard(out, dim, "broadcast_shard")
 
 
 def _padded_bytes(chunk: torch.Tensor, dim: int, length: int) -> torch.Tensor:
