@@ -4,6 +4,7 @@ Tests marked ``slow`` start processes of their own (the CLI, torchrun); ``pytest
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -569,6 +570,19 @@ def test_console_lines_of_outcomes_and_results():
     )
     ring = demo.PipelineRingResult([0, 1], 0, [2, 1], 2)
     assert ring.summary == "pipeline ring: a token went around 2 pp rings (0 -> 1 -> 0 here) via PipelineP2P"
+    ok, skipped = demo.Outcome("check_topology", "ok", "", 1.0), demo.Outcome("check_pipeline_ring", "skip", "", 0)
+    assert demo.format_summary(4, [ok, ok, ok, ok, skipped], 3.482, 16.1) == (
+        "demo OK: 4 ranks, 4 of 5 checks passed, 1 skipped (pipeline ring); 3.48 s from joining to the last check, "
+        "16.10 s since this worker started (torch import included)"
+    )
+    assert demo.format_summary(1, [ok], 0.5, 9.0).startswith("demo OK: 1 rank, 1 of 1 checks passed; 0.50 s")
+
+
+def test_demo_says_how_long_the_whole_run_took(tmp_path):
+    watch = cli._DemoWatch(_watch_args(), str(tmp_path))
+    watch.start -= 37.04  # launched 37 s ago
+    assert watch.finished(0) == "done after 37.0 s (torchrun, the workers' torch import and the checks)"
+    assert watch.finished(1).startswith("exit code 1 after 37.0 s")
 
 
 # ---- demo: one real run (torchrun, 4 CPU processes) -------------------------------------------------
@@ -592,4 +606,8 @@ def test_demo_runs_every_check_under_torchrun():
     )
     statuses = [line.split()[0] for line in out if line.startswith(("ok ", "skip ", "FAIL "))]
     assert statuses == ["ok"] * 5
-    assert out[-1].startswith("demo OK: 4 ranks, 5 checks passed, 0 skipped, in ")
+    assert "axes match ParallelDims (order pp-cp-tp-dp) (" in proc.stdout  # the order shown, cfg 1 hidden
+    assert out[-2].startswith("demo OK: 4 ranks, 5 of 5 checks passed; ")
+    seconds = [float(t) for t in re.findall(r"(\d+\.\d+) s", out[-2])]  # from joining; since the worker started
+    total = float(re.fullmatch(r"wf-mesh demo: done after (\d+\.\d) s \(torchrun, .*\)", out[-1]).group(1))
+    assert seconds[0] <= seconds[1] <= total + 0.1  # each time contains the one before (0.1: the rounding)

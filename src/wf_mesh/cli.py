@@ -9,7 +9,7 @@ Subcommands::
         for a billion ranks (large worlds are cut, and the view says what it left out).
     wf-mesh demo --nproc 4 --tp 2 --cp 2 [--pp 1] [--cfg 1] [--cp-ulysses 1] [--order tp-cp-pp-dp]
         Launch N local CPU processes (gloo) with torch's own launcher and run :mod:`wf_mesh.demo` on them,
-        showing progress while the workers start.
+        showing progress while the workers start, and the whole run's time when it exits.
     wf-mesh demo --nproc 2 --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT --tp 2 --cp 2 [--rdzv-timeout S]
         The same across several machines (run it on every node; the world is nnodes x nproc ranks): torchrun's
         multi-node rendezvous (``--rdzv-backend c10d`` by default) at HOST:PORT, a host every node reaches.
@@ -350,6 +350,13 @@ class _DemoWatch:
             print(f"wf-mesh demo: [{now - self.start:.0f} s] {line}", flush=True)
             self.last_line, self.last_time = line, now
 
+    def finished(self, code: int) -> str:
+        """The closing line: the exit code and the whole run's time, launcher and imports included."""
+        what = "done" if code == 0 else f"exit code {code}"
+        return (
+            f"{what} after {time.monotonic() - self.start:.1f} s (torchrun, the workers' torch import and the checks)"
+        )
+
     def tick(self) -> None:
         """One look at the workers' progress: maybe a progress line; _Failure past the rendezvous timeout."""
         args, now = self.args, time.monotonic()
@@ -423,7 +430,9 @@ def _demo(args: argparse.Namespace) -> int:
                 while tree.proc.poll() is None:
                     watch.tick()
                     time.sleep(0.1)
-                return tree.wait()
+                code = tree.wait()
+            print(f"wf-mesh demo: {watch.finished(code)}", flush=True)
+            return code
         except Interrupted as e:
             stopped = tree.stop() if tree is not None else 0
             print(f"wf-mesh demo: interrupted by {e}; stopped {stopped} processes", file=sys.stderr, flush=True)

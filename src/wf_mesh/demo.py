@@ -15,7 +15,8 @@ every rank calls collectively and that returns a :class:`CheckResult` (what it m
 named fields, and a one-line summary), raises :class:`CheckSkipped` (nothing to show at these degrees) or
 raises :class:`CheckFailed`. Every distributed result is compared with the same computation done in one
 process on the rank. After each check the ranks exchange outcomes (:class:`Outcome`), so all of them agree;
-rank 0 prints progress, one timed line per check, then ``demo OK: ...``. The workers start through
+rank 0 prints progress, one timed line per check, then ``demo OK: ...`` (:func:`format_summary`: the checks that
+passed and were skipped, and the times). The workers start through
 :func:`wf_mesh.init_from_env` (gloo, CPU) and leave through its session. Any failure is printed (on
 rank 0, naming the ranks) and every rank exits with code 1. From a notebook, on a running mesh::
 
@@ -64,6 +65,7 @@ __all__ = [
     "check_pipeline_ring",
     "check_topology",
     "format_report",
+    "format_summary",
     "fsdp_batch",
     "main",
     "run_checks",
@@ -72,6 +74,8 @@ __all__ = [
 ]
 
 TIMEOUT_MINUTES = 5
+
+_STARTED = time.monotonic()  # this module is the first thing a worker runs: its time alive includes torch's import
 
 
 class CheckFailed(Exception):
@@ -140,7 +144,7 @@ def check_topology(ctx: DemoContext) -> TopologyResult:
         CheckFailed: the coordinates or a group differ from the plan.
     """
     result = TopologyResult(
-        ctx.dims.order, ctx.mesh.coords(), {axis: ctx.mesh.ranks(axis) for axis in mesh_axes(ctx.dims)}
+        ctx.dims.shown_order, ctx.mesh.coords(), {axis: ctx.mesh.ranks(axis) for axis in mesh_axes(ctx.dims)}
     )
     if result.coords != ctx.dims.coords(ctx.rank):
         raise CheckFailed(f"coords {result.coords} != plan {ctx.dims.coords(ctx.rank)}")
@@ -516,6 +520,29 @@ def run_checks(
     return outcomes
 
 
+def format_summary(world_size: int, outcomes: Sequence[Outcome], seconds: float, alive: float) -> str:
+    """The demo's last line on success: how many of the checks passed and which were skipped, the time from
+    joining the world to the last check, and how long the worker has been alive (its torch import too;
+    ``wf-mesh demo`` adds the launcher's own time when it exits).
+
+    Args:
+        world_size: the number of ranks.
+        outcomes: what :func:`run_checks` returned.
+        seconds: the time from joining the world (building the mesh) to the last check.
+        alive: the time since this worker started.
+
+    Returns:
+        ``demo OK: 4 ranks, 4 of 5 checks passed, 1 skipped (pipeline ring); ...``.
+    """
+    passed = sum(o.status == "ok" for o in outcomes)
+    skipped = [o.check.removeprefix("check_").replace("_", " ") for o in outcomes if o.status == "skip"]
+    skips = f", {len(skipped)} skipped ({', '.join(skipped)})" if skipped else ""
+    return (
+        f"demo OK: {plural(world_size, 'rank')}, {passed} of {len(outcomes)} checks passed{skips}; {seconds:.2f} s "
+        f"from joining to the last check, {alive:.2f} s since this worker started (torch import included)"
+    )
+
+
 def _rank_report(ctx: DemoContext) -> dict:
     axes = mesh_axes(ctx.dims)
     coords = {**ctx.mesh.coords(), **(ctx.dims.sub_coords(ctx.rank) if ctx.dims.cp_ulysses > 1 else {})}
@@ -609,9 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elapsed = time.perf_counter() - start
         ok = all(o.status != "fail" for o in outcomes)
         if rank == 0:
-            passed, skipped = (sum(o.status == s for o in outcomes) for s in ("ok", "skip"))
             if ok:
-                _say(f"demo OK: {world_size} ranks, {passed} checks passed, {skipped} skipped, in {elapsed:.2f} s")
+                _say(format_summary(world_size, outcomes, elapsed, time.monotonic() - _STARTED))
             else:
                 print(f"demo FAILED: {world_size} ranks, {dims}: {outcomes[-1].line}", file=sys.stderr, flush=True)
     _progress("done")
