@@ -175,8 +175,9 @@ def test_plan_one_axis_highlight_limits_and_html(capsys, tmp_path):
     view = TopologyView(wf_mesh.ParallelDims(tp=4).resolve(64), "dp_cp", highlight=5, max_rows=2, max_cols=2)
     assert out == f"{view}\nwrote {page}\n"
     assert "showing 2 of 16 rows and 2 of 4 columns (4 of 64 ranks; the others are left out)" in out
-    assert "dp1  4 5* ...   0 1 ..." in out
-    assert page.read_text() == f"<!doctype html><meta charset='utf-8'><title>wf-mesh plan</title>{view._repr_html_()}\n"
+    assert "dp1  4  5* ...   0 1 ..." in out
+    head = "<!doctype html><meta charset='utf-8'><meta name='color-scheme' content='light dark'><title>wf-mesh plan</title>"
+    assert page.read_text() == f"{head}{view._repr_html_()}\n"  # the page follows a dark scheme too
 
 
 def test_plan_of_a_billion_ranks_is_cut_not_a_memory_error(capsys):

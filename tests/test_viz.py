@@ -1,5 +1,6 @@
 """viz: format_table, TopologyView and PlacementView (text and HTML), pure, plus one multi-process DTensor check."""
 
+import colorsys
 import itertools
 import math
 import re
@@ -64,15 +65,39 @@ def parse_html(text: str) -> _Checker:
     return checker
 
 
+CELL = re.compile(r"background:(hsl\([^)]*\));color:#000;--wf-mesh-dark:(hsl\([^)]*\))")
+DARK_SCHEME = (
+    '@media (prefers-color-scheme: dark){.wf-mesh-view [style*="--wf-mesh-dark"]'
+    "{background:var(--wf-mesh-dark)!important;color:#fff!important}}"
+)
+
+
 def background(attrs: dict) -> str | None:
-    m = re.fullmatch(r"background:([^;]+);color:#000", attrs.get("style", ""))
+    m = CELL.fullmatch(attrs.get("style", ""))
     return m[1] if m else None
 
 
+def luminance(hsl: str) -> float:
+    """WCAG relative luminance of a CSS ``hsl(h,s%,l%)`` colour."""
+    h, sat, light = (float(v.rstrip("%")) for v in hsl[4:-1].split(","))
+    rgb = colorsys.hls_to_rgb(h / 360, light / 100, sat / 100)
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast(a: float, b: float) -> float:
+    return (max(a, b) + 0.05) / (min(a, b) + 0.05)
+
+
 def assert_readable_on_any_theme(page: str):
-    """Every background comes with an explicit (dark) text colour; captions never wrap."""
-    styles = re.findall(r'style="([^"]*)"', page)
-    assert styles and all("color:#000" in s for s in styles if "background" in s)
+    """Every background comes with its text colour, in the light scheme (inline: black on a light colour) and in
+    the dark one (the page's media query swaps in the cell's dark colour under white text), each at a WCAG
+    contrast of at least 4.5; captions never wrap."""
+    styles = [s for s in re.findall(r'style="([^"]*)"', page) if "background" in s]
+    assert styles and all(CELL.fullmatch(s) for s in styles), styles[:3]
+    for light, dark in (CELL.fullmatch(s).groups() for s in styles):
+        assert contrast(luminance(light), 0.0) >= 4.5 and contrast(luminance(dark), 1.0) >= 4.5, (light, dark)
+    assert page.count(DARK_SCHEME) == 1
     assert "caption{white-space:nowrap" in page
 
 
@@ -141,18 +166,40 @@ def test_topology_one_axis_lists_its_groups_and_highlights():
         "each axis's grid: a rank's group number on that axis (its index in dims.groups(axis))\n"
         "* = rank 5\n"
         "\n"
-        "         rank          dp_cp (4 groups of 4)\n"
-        "tp        0  1  0  1   0 1 0 1\n"
-        "cp        0  0  1  1   0 0 1 1\n"
-        "pp0 dp0   0  1  2  3   0 1 0 1\n"
-        "pp1 dp0   4 5*  6  7   2 3 2 3\n"
-        "pp0 dp1   8  9 10 11   0 1 0 1\n"
-        "pp1 dp1  12 13 14 15   2 3 2 3\n"
+        "         rank             dp_cp (4 groups of 4)\n"
+        "tp        0   1   0   1   0 1 0 1\n"
+        "cp        0   0   1   1   0 0 1 1\n"
+        "pp0 dp0   0   1   2   3   0 1 0 1\n"
+        "pp1 dp0   4   5*  6   7   2 3 2 3\n"
+        "pp0 dp1   8   9  10  11   0 1 0 1\n"
+        "pp1 dp1  12  13  14  15   2 3 2 3\n"
         "\n"
         "groups of dp_cp (number=[ranks in group order]; a-b = a run of ranks):\n"
         "axis   groups  size  groups\n"
         "dp_cp       4     4  0=[0,2,8,10] 1=[1,3,9,11] 2=[4,6,12,14] 3=[5,7,13,15]  (FSDP)"
     )
+
+
+@pytest.mark.parametrize(
+    "dims, options",
+    [
+        (ParallelDims(tp=2, cp=2, pp=2).resolve(16), {"highlight": 5}),
+        (ParallelDims(tp=4).resolve(64), {"highlight": 13, "max_rows": 4, "max_cols": 4}),
+        (ParallelDims(tp=2, cp=4).resolve(128), {"highlight": 100}),
+    ],
+)
+def test_a_highlighted_rank_keeps_the_columns_aligned(dims, options):
+    """The ``*`` takes a place of its own: in the rank grid every number of a column (the coordinates above
+    it too) ends at the same character, as without a highlight."""
+    lines = str(TopologyView(dims, "tp", **options)).splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\s+rank\s", line))  # the grids' captions
+    width = lines[start].index("tp (") - 3  # the rank block, up to the next block's caption
+    block = [line[:width].replace("*", " ") for line in lines[start + 1 :] if line and not line.startswith("...")]
+    block = block[: next((i for i, line in enumerate(block) if line.startswith("groups")), len(block))]
+    grid = lines[start].index("rank")  # where the grid starts, after the row labels
+    ends = [{m.end() for m in re.finditer(r"\d+", line[grid:])} for line in block]
+    assert len(block) >= 3 and all(e == ends[0] for e in ends), "\n".join(lines[start : start + len(block) + 1])
+    assert sum(line[:width].count("*") for line in lines[start:]) == 1 and f"* = rank {options['highlight']}" in lines
 
 
 DIMS = [
@@ -279,6 +326,18 @@ def test_topology_html_one_coloured_cell_per_rank():
     assert "<th>tp</th><th>0</th><th>1</th><th>0</th><th>1</th>" in page  # column labels: coordinates
     assert "<th>pp1 dp1</th>" in page  # row labels
     assert "0=[0,2,8,10] 1=[1,3,9,11] 2=[4,6,12,14] 3=[5,7,13,15]  (FSDP)" in page  # the same group list
+
+
+def test_html_colours_read_in_both_colour_schemes():
+    """Hundreds of group colours (the hues cycle through the golden angle, the levels through three): each one
+    readable in the light and the dark scheme; and the dark scheme's rule is what the cells' styles name."""
+    dims = ParallelDims(tp=2).resolve(600)  # 300 tp groups
+    page = TopologyView(dims, "tp", max_rows=1000, max_cols=2)._repr_html_()
+    assert_readable_on_any_theme(page)
+    assert len({background(attrs) for attrs, _ in parse_html(page).cells if background(attrs)}) > 100
+    placement = PlacementView.plan((2, 64), 64, ["S(1)"], mesh_dim_names=("cp",))._repr_html_()
+    assert_readable_on_any_theme(placement)
+    assert DARK_SCHEME in wf_mesh.viz._STYLE and "@media (prefers-color-scheme: dark)" not in DARK_SCHEME[1:]
 
 
 def test_topology_html_default_view_has_a_grid_per_axis():

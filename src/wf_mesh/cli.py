@@ -216,6 +216,11 @@ def _dims(args: argparse.Namespace, world_size: int) -> ParallelDims:
 
 
 # ---- plan -------------------------------------------------------------------------------------------------
+_PAGE_HEAD = (  # color-scheme: the page itself (background, text) follows the reader's light or dark scheme
+    "<!doctype html><meta charset='utf-8'><meta name='color-scheme' content='light dark'><title>wf-mesh plan</title>"
+)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from wf_mesh.viz import TopologyView
 
@@ -231,7 +236,7 @@ def _plan(args: argparse.Namespace) -> int:
     if page is not None:
         try:
             with open(args.html, "w") as f:
-                f.write(f"<!doctype html><meta charset='utf-8'><title>wf-mesh plan</title>{page}\n")
+                f.write(f"{_PAGE_HEAD}{page}\n")
         except OSError as e:
             raise _UsageError(f"--html {args.html}: {e.strerror}") from None
     print(text)

@@ -284,24 +284,33 @@ def _side_by_side(labels: list[str], blocks: list[list[str]], width: int) -> lis
     return out
 
 
-def _colour(index: int) -> str:
-    """Background colour of group / slice ``index``: golden-angle hues, three light levels (dark text reads)."""
-    return f"hsl({index * 137.508 % 360:.1f},70%,{(80, 90, 72)[index % 3]}%)"
+def _colour(index: int, dark: bool = False) -> str:
+    # golden-angle hues at three lightness levels: light ones under black text, or (dark) dark ones under white
+    # text; either way a WCAG contrast of at least 4.5 (tests/test_viz.py computes it)
+    hue = f"{index * 137.508 % 360:.1f}"
+    return f"hsl({hue},50%,{(24, 30, 18)[index % 3]}%)" if dark else f"hsl({hue},70%,{(80, 90, 72)[index % 3]}%)"
 
+
+_DARK = "--wf-mesh-dark"  # the custom property each coloured cell's inline style sets to its dark background
 
 _STYLE = (  # scoped to the views' own <div>; the highlighted rank has class "me"
+    # Colours are inline (they survive renderers that drop <style>): light backgrounds under black text. A
+    # dark colour scheme swaps in each cell's dark background (its inline custom property) under white text;
+    # the rest of the view inherits the page's own colours, whichever scheme it follows.
     "<style>.wf-mesh-view{font-family:monospace;line-height:1.3}"
     ".wf-mesh-view table{border-collapse:collapse;margin:0 0 .5em 0}"
     ".wf-mesh-view td,.wf-mesh-view th{padding:1px 5px;text-align:right;border:1px solid rgba(127,127,127,.35)}"
     ".wf-mesh-view th{font-weight:normal;opacity:.8}"
     ".wf-mesh-view caption{white-space:nowrap;text-align:left;font-weight:bold}"
     ".wf-mesh-view .me{outline:2px solid currentColor;outline-offset:-2px;font-weight:bold}"
-    ".wf-mesh-view .cut{font-style:italic;opacity:.8}</style>"
+    ".wf-mesh-view .cut{font-style:italic;opacity:.8}"
+    f'@media (prefers-color-scheme: dark){{.wf-mesh-view [style*="{_DARK}"]'
+    f"{{background:var({_DARK})!important;color:#fff!important}}}}</style>"
 )
 
 
 def _cell_style(index: int) -> str:
-    return f"background:{_colour(index)};color:#000"
+    return f"background:{_colour(index)};color:#000;{_DARK}:{_colour(index, dark=True)}"
 
 
 def _html_rows(rows: Iterable[Sequence[str]], tag: str = "td", align: str = "") -> str:
@@ -516,6 +525,15 @@ class TopologyView:
         return parts
 
     # ---- text ---------------------------------------------------------------------------------------
+    @property
+    def _pad(self) -> str:
+        """What follows an unmarked number when a rank is highlighted: a space where the ``*`` goes, so the
+        digits stay right-aligned."""
+        return "" if self.highlight is None else " "
+
+    def _marked(self, rank: int) -> str:
+        return f"{rank}*" if rank == self.highlight else f"{rank}{self._pad}"
+
     def __str__(self) -> str:
         grid = self.grid
         more_cols = ["..."] if self.shown_cols < self.ncols else []
@@ -524,13 +542,13 @@ class TopologyView:
         labels = ["", *(name for name, _ in headers), *(self._row_label(r) for r in range(self.shown_rows))]
         labels += ["..."] if more_rows else []
 
-        def block(title: str, cells: list[list[str]]) -> list[str]:
-            rows = [[*map(str, coords), *more_cols] for _, coords in headers] + [[*row, *more_cols] for row in cells]
+        def block(title: str, cells: list[list[str]], pad: str = "") -> list[str]:
+            rows = [[*(f"{c}{pad}" for c in coords), *more_cols] for _, coords in headers]
+            rows += [[*row, *more_cols] for row in cells]
             table = format_table(None, rows, align="r" * (len(rows[0]) if rows else 0), sep=" ").split("\n")
             return [title, *table, *([""] if more_rows else [])]
 
-        ranks = [[f"{r}*" if r == self.highlight else str(r) for r in row] for row in grid]
-        blocks = [block("rank", ranks)]
+        blocks = [block("rank", [[self._marked(r) for r in row] for row in grid], pad=self._pad)]
         for axis in self.axes:
             blocks.append(block(self._caption(axis), [[str(g) for g in row] for row in self.group_ids(axis)]))
         lines = [*self._notes(), "", *_side_by_side(labels, blocks, self.width)]
@@ -820,7 +838,7 @@ class PlacementView:
         body = []
         for r in rows:
             spans = [":" if (a, b) == (0, n) else f"{a}:{b}" for (a, b), n in zip(r.ranges, self.shape)]
-            rank = f"{r.rank}*" if r.rank == self.highlight else str(r.rank)
+            rank = f"{r.rank}*" if r.rank == self.highlight else f"{r.rank}{'' if self.highlight is None else ' '}"
             body.append([rank, *map(str, r.coords), str(r.slice), *spans, str(r.local_shape)])
         return head, body
 
