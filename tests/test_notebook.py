@@ -4,6 +4,7 @@ committed outputs are stale. Refresh them with ``.venv/bin/python notebooks/refr
 """
 
 import importlib.util
+import re
 from pathlib import Path
 
 import nbformat
@@ -43,6 +44,13 @@ def test_the_cells_check_what_they_show():
     nb = nbformat.read(NOTEBOOKS / "placements.ipynb", as_version=4)
     cluster = [c for c in nb.cells if c.cell_type == "code" and "cluster.run(" in c.source]
     assert cluster and all("assert " in c.source for c in cluster), "every cluster cell asserts its results"
+
+
+def test_sections_are_numbered_in_order():
+    nb = nbformat.read(NOTEBOOKS / "placements.ipynb", as_version=4)
+    headings = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()]
+    numbers = [int(m[1]) for m in map(re.compile(r"## (\d+)\. ").match, headings) if m]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 7, numbers
 
 
 @pytest.mark.slow
