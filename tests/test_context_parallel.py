@@ -456,3 +456,37 @@ def test_chunk_sizes_follow_torch_chunk():
         for parts in range(1, 6):
             sizes = [c.numel() for c in torch.chunk(torch.arange(length), parts)] if length else []
             assert chunk_sizes(length, parts) == sizes + [0] * (parts - len(sizes))
+
+
+# ---- dtypes the backends cannot reduce travel as bytes -----------------------------------------------
+def byte_round_trip(cp, dtype, shape, seq_dim):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=cp))
+    x = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape).to(dtype)
+    local = wf_mesh.shard_sequence(x, seq_dim, mesh=pm)
+    plain = wf_mesh.gather_sequence(local, seq_dim, mesh=pm)
+    dt = wf_mesh.gather_sequence(wf_mesh.shard_sequence(x, seq_dim, mesh=pm, as_dtensor=True))
+    return [
+        (out.dtype, tuple(out.shape), torch.equal(out.view(torch.uint8), x.view(torch.uint8))) for out in (plain, dt)
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", sorted(wf_mesh.context_parallel.BYTE_DTYPES, key=str))
+def test_gather_moves_dtypes_gloo_cannot_reduce_as_bytes(world, dtype):
+    shape, seq_dim = (2, 7, 3), 1  # uneven over 2 and 4 ranks
+    for rank_result in run_distributed(world, byte_round_trip, world, dtype, shape, seq_dim):
+        assert rank_result == [(dtype, shape, True)] * 2
+
+
+def gather_float8_requiring_grad(cp):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=cp))
+    x = torch.zeros(2, 4, 3).to(torch.float8_e4m3fn).requires_grad_(True)
+    wf_mesh.gather_sequence(x, 1, mesh=pm)
+
+
+def test_gather_of_a_byte_dtype_requiring_grad_is_refused_everywhere():
+    raised_everywhere(
+        run_distributed(2, gather_float8_requiring_grad, 2, return_exceptions=True),
+        TypeError,
+        "moves torch.float8_e4m3fn as bytes, which carries no gradient",
+    )

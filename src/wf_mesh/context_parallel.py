@@ -52,7 +52,7 @@ from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
 from wf_mesh.sizing import chunk_range, chunk_sizes
 from wf_mesh.topology import as_int
 
-__all__ = ["GradRule", "broadcast_shard", "gather_sequence", "sequence_dtensor", "shard_sequence"]
+__all__ = ["BYTE_DTYPES", "GradRule", "broadcast_shard", "gather_sequence", "sequence_dtensor", "shard_sequence"]
 
 GradRule = Literal["replicate", "partial"]
 _GRAD_RULES = ("replicate", "partial")
@@ -225,6 +225,11 @@ def _gather_facts(
         raise ValueError(f"grad={grad!r}: use 'replicate' or 'partial'")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or DTensor, got {type(x).__name__}")
+    if x.dtype in BYTE_DTYPES and x.requires_grad:
+        raise TypeError(
+            f"gather_sequence moves {x.dtype} as bytes, which carries no gradient, and x requires grad; "
+            "gather it in a floating dtype (x.float()) or detach it"
+        )
     if isinstance(x, DTensor):
         _require_mesh(x, mesh, "gather_sequence")
         (placement,) = x.placements
@@ -297,8 +302,40 @@ def gather_sequence(
                     f"seq_len={total} over {parts} ranks ({chunk_sizes(total, parts)})"
                 )
         local = sequence_dtensor(x, dim, x.shape[:dim] + (total,) + x.shape[dim + 1 :], mesh=group_mesh)
+    if local.dtype in BYTE_DTYPES:
+        return _gather_bytes(local, group_mesh)
     grad_placement = Replicate() if grad == "replicate" else Partial()
     return local.full_tensor(grad_placements=[grad_placement])
+
+
+BYTE_DTYPES = frozenset(
+    {
+        torch.int16,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    }
+)
+"""Dtypes :func:`gather_sequence` moves as bytes: gloo (and, for 16-bit integers, NCCL) has no reduction type
+for them ("Invalid scalar type"); a gather needs none."""
+
+
+def _gather_bytes(local: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``local.full_tensor()`` moved as bytes: each element's bytes along one more trailing dim, so the
+    sequence dim keeps its meaning (the dtypes of :data:`BYTE_DTYPES` carry no gradient here).
+
+    Returns:
+        The full tensor, in ``local``'s dtype.
+    """
+    (placement,) = local.placements
+    shard = _compat.dtensor_local(local)
+    raw = shard.detach().unsqueeze(-1).view(torch.uint8)
+    whole = sequence_dtensor(raw, placement.dim, (*local.shape, raw.shape[-1]), mesh=mesh).full_tensor()
+    return whole.view(local.dtype).squeeze(-1)
 
 
 def _agreed_length(agreed: agreement.Agreed[_GatherFacts], parts: int) -> int:
