@@ -279,3 +279,64 @@ def test_hsdp_shard_groups_span_the_fsdp_axis(kw, rep):
     if rep == 1:
         assert shards == sorted(sorted(g) for g in dims.groups(FSDP_AXIS))
     assert sorted(r for view in grid.tolist() for row in view for r in row) == list(range(16))
+
+
+# ---- randomness per axis --------------------------------------------------------------------------------
+def draws(tp, cp, cfg, vary_over):
+    mesh = wf_mesh.init_parallel(wf_mesh.ParallelDims(tp=tp, cp=cp, cfg=cfg))
+    noise = torch.randn(6, generator=mesh.generator(7, vary_over))
+    return mesh.coords(), noise
+
+
+@pytest.mark.parametrize(
+    "tp, cp, cfg, vary_over",
+    [(1, 2, 1, ("dp",)), (2, 2, 1, ("dp",)), (2, 2, 1, "dp"), (1, 2, 2, ("dp", "cfg")), (2, 2, 1, "dp_cp")],
+)
+def test_generator_varies_over_the_named_axes_only(tp, cp, cfg, vary_over):
+    results = run_distributed(8, draws, tp, cp, cfg, vary_over)
+    varied = {"dp_cp": ("dp", "cp")}.get(vary_over, (vary_over,) if isinstance(vary_over, str) else vary_over)
+    by_key = {}
+    for coords, noise in results:
+        key = tuple(coords.get(axis, 0) for axis in varied)
+        by_key.setdefault(key, []).append(noise)
+    assert len(by_key) > 1
+    for group in by_key.values():  # peers (tp, cp, the axes not varied over) draw the same numbers
+        assert all(torch.equal(noise, group[0]) for noise in group)
+    firsts = [group[0] for group in by_key.values()]  # and each coordinate its own
+    assert all(not torch.equal(a, b) for i, a in enumerate(firsts) for b in firsts[i + 1 :])
+
+
+def test_generator_streams_do_not_depend_on_the_other_axes():
+    # dp 2 x cp 2 and dp 2 x cp 1 (and x tp 2): dp rank r draws the same numbers in all three worlds
+    per_dp = {}
+    for world, tp, cp in ((4, 1, 2), (2, 1, 1), (8, 2, 2)):
+        for coords, noise in run_distributed(world, draws, tp, cp, 1, ("dp",)):
+            per_dp.setdefault(coords["dp"], []).append(noise)
+    assert sorted(per_dp) == [0, 1]
+    assert all(torch.equal(noise, noises[0]) for noises in per_dp.values() for noise in noises)
+    unvaried = run_distributed(2, draws, 1, 1, 1, ())
+    assert all(torch.equal(noise, torch.randn(6, generator=torch.Generator().manual_seed(7))) for _, noise in unvaried)
+
+
+def bad_generator(seed, vary_over):
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2)).generator(seed, vary_over)
+
+
+@pytest.mark.parametrize(
+    "seed, vary_over, error, match",
+    [
+        (1.5, ("dp",), TypeError, r"seed must be an int, got float 1\.5"),
+        (-1, ("dp",), ValueError, r"seed=-1 must be >= 0"),
+        (2**64, ("dp",), ValueError, r"seed=18446744073709551616 must be < 2\*\*64"),
+        (
+            0,
+            ("dq",),
+            KeyError,
+            r"vary_over=\('dq',\) names 'dq'; the axes to vary over are \['tp', 'cp', 'pp', 'cfg', 'dp'\]",
+        ),
+        (0, ("cp_ring",), KeyError, r"names 'cp_ring'"),
+        (0, (3,), TypeError, r"vary_over holds axis names \(str\), got int 3"),
+    ],
+)
+def test_generator_refuses_bad_arguments_on_every_rank(seed, vary_over, error, match):
+    raised_everywhere(run_distributed(2, bad_generator, seed, vary_over, return_exceptions=True), error, match)

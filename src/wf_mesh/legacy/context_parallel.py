@@ -190,7 +190,8 @@ def find_split(
     view_factor: int = 1,
 ) -> torch.Size:
     """Plan the split of a ``(B, C, T, H, W)`` latent over ``cp_size`` ranks, time first
-    (:func:`~wf_mesh.plan_video_split` of the per-view latent, T // view_factor).
+    (:func:`~wf_mesh.plan_video_split` of the per-view latent, T // view_factor), never splitting W (the
+    original's rule; the native planner splits W when T and H cannot take the whole cp size).
 
     Side effect (Megatron-compatible): ``wf_mesh.parallel_state.cp_size_t`` becomes the ranks that split T
     (:func:`cp_size_t`) until the mesh is destroyed (or ``destroy_model_parallel`` is called).
@@ -212,7 +213,7 @@ def find_split(
     t = as_int("shape_tensor[2] (T)", t, minimum=1)
     if t % view_factor:
         raise LegacyIndivisibleSequenceError(f"find_split: T={t} is not divisible by view_factor={view_factor}")
-    split = plan_video_split((b, c, t // view_factor, h, w), cp_size, patch_values)
+    split = plan_video_split((b, c, t // view_factor, h, w), cp_size, patch_values, split_width=False)
     state.cp_size_t = split.cp_t
     return torch.Size(split.local_thw)
 
