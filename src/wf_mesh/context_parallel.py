@@ -332,6 +332,7 @@ def _gather_bytes(local: DTensor, mesh: DeviceMesh) -> torch.Tensor:
         The full tensor, in ``local``'s dtype.
     """
     (placement,) = local.placements
+    assert isinstance(placement, Shard), "gather_sequence gathers Shard(dim) DTensors only"
     shard = _compat.dtensor_local(local)
     raw = shard.detach().unsqueeze(-1).view(torch.uint8)
     whole = sequence_dtensor(raw, placement.dim, (*local.shape, raw.shape[-1]), mesh=mesh).full_tensor()
