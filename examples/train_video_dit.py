@@ -2,17 +2,23 @@
 
 The model denoises random video latents ``(B, C, T, H, W)``: every latent voxel is a token (per-token input
 projection), learned position embeddings ``(T, H, W, D)``, a noise-level embedding, ``--depth`` blocks of
-(LayerNorm, :class:`wf_mesh.CPSelfAttention`, LayerNorm, MLP), and an output projection trained with a
-flow-matching MSE loss (predict ``noise - latent`` from ``(1 - s) * latent + s * noise``).
+(LayerNorm, attention around :func:`wf_mesh.cp_attention`, LayerNorm, MLP), and an output projection trained
+with a flow-matching MSE loss (predict ``noise - latent`` from ``(1 - s) * latent + s * noise``).
 
-Parallelism: the world is ``dp x cp`` (``--cp``; dp is inferred). Each step draws the SAME global batch on
-every rank (a generator seeded by ``--seed`` and the step), each dp rank takes its slice of the batch
-(``torch.tensor_split``: uneven slices allowed), and each cp rank its block of tokens
-(:func:`wf_mesh.plan_video_split`, time first, then height); attention runs over all cp ranks' tokens
-(``--cp-method ring | ulysses | usp | allgather``), with one :func:`wf_mesh.plan_cp_attention` per step
-(``VideoSplit.attention_plan``) for all the blocks: the attention layers issue their data collectives only.
-The weights are sharded with FSDP2 over the ``dp_cp`` axis (cp ranks hold the same weights, so their
-gradients are summed together with dp's).
+Parallelism: the world is ``dp x cp x tp`` (``--cp``, ``--tp``; dp is inferred). Each step draws its data,
+noise and noise levels through :meth:`wf_mesh.ParallelMesh.generator` (seeded by ``--seed`` and the step), so
+cp and tp peers always see the same numbers: with ``--data-rng global`` (the default) every rank draws the SAME
+global batch and each dp rank takes its slice (``torch.tensor_split``: uneven slices allowed), so the run is the
+same at every world size; with ``--data-rng dp`` each dp rank draws only its own samples from a stream of its
+own (``vary_over=("dp",)``, what large runs do), so the run is the same at every cp and tp for a given dp. Each
+cp rank takes its block of tokens (:func:`wf_mesh.plan_video_split`: time, then height, then width); attention
+runs over all cp ranks' tokens (``--cp-method ring | ulysses | usp | allgather``), with one
+:func:`wf_mesh.plan_cp_attention` per step (``VideoSplit.attention_plan``) for all the blocks: the attention
+layers issue their data collectives only. With ``--tp N`` torch's ``parallelize_module`` on ``mesh["tp"]``
+splits every block (``ColwiseParallel`` q, k, v and MLP input, ``RowwiseParallel`` out projection and MLP
+output: ``TP_PLAN``), so each tp rank runs cp attention on its ``heads / N`` heads. The weights (the tp shards
+under tp) are sharded with FSDP2 over the ``dp_cp`` axis (cp ranks hold the same weights, so their gradients
+are summed together with dp's).
 
 Exactness: whatever the world size, the gradient every step applies is the gradient of the GLOBAL mean
 loss. Each rank backpropagates ``sum of its squared errors / number of elements in the global batch`` and
@@ -35,6 +41,8 @@ Run::
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2      # dp 2 x cp 2, ring attention
     srun --ntasks-per-node 4 python examples/train_video_dit.py --cp 2  # SLURM: one task per process
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --cp-method usp --cp-ulysses 2
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --tp 2 --cp 2  # tp 2 x cp 2: the same run as one process
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2 --data-rng dp  # = --data-rng dp at 2 processes
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 examples/train_video_dit.py --ckpt-dir ckpt --save-every 2
 
 The last one resumes from ``ckpt/`` when torchrun restarts a failed worker. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
@@ -63,6 +71,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import wf_mesh
 
@@ -86,11 +95,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm (0: never)")
     p.add_argument("--ema-beta", type=float, default=0.99, help="EMA decay per step")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and every step's batch")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp = world size / cp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp = world size / (cp * tp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: q/k/v and MLP weights split over tp")
     p.add_argument("--cp-method", choices=("ring", "ulysses", "usp", "allgather"), default="ring",
                    help="cp attention method")  # fmt: skip
     p.add_argument("--cp-ulysses", type=int, default=1,
                    help="Ulysses part of cp: > 1 and dividing --cp for --cp-method usp, 1 otherwise")  # fmt: skip
+    p.add_argument("--data-rng", choices=("global", "dp"), default="global",
+                   help="global: every rank draws the whole batch and keeps its rows (the same run at every world "
+                        "size); dp: each dp rank draws only its own samples (mesh.generator(vary_over=('dp',)): the "
+                        "same run at every cp and tp for a given dp)")  # fmt: skip
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save checkpoints here and resume from the newest")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes the result of main() here (torch.save)")
@@ -99,9 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "test time to act)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress lines, and no log lines of wf_mesh")
     args = p.parse_args(argv)
-    for name in "steps batch channels frames height width dim heads depth cp cp_ulysses".split():
+    for name in "steps batch channels frames height width dim heads depth cp tp cp_ulysses".split():
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.dim % args.heads:
+        p.error(f"--dim {args.dim} is not divisible by --heads {args.heads}")
+    if args.heads % args.tp:
+        p.error(f"--heads {args.heads} is not divisible by --tp {args.tp}: each tp rank attends over whole heads")
     if args.clip_grad < 0:
         p.error("--clip-grad must be >= 0")
     if args.save_every < 0:
@@ -118,13 +136,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---- the model ------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Self-attention over every cp rank's tokens: q, k, v and out projections around :func:`wf_mesh.cp_attention`.
+
+    Separate q, k, v projections so that tensor parallelism can split them by heads (``ColwiseParallel``: each tp
+    rank computes ``heads / tp`` whole heads) and the out projection by its input (``RowwiseParallel``: one
+    all-reduce over tp). The heads are counted from the local width, so the same code runs at any tp. No
+    biases: a key bias shifts every score of a query by the same amount, so its gradient is zero up to rounding,
+    and AdamW would turn that noise into full steps.
+    """
+
+    def __init__(self, dim: int, heads: int, method: str, mesh: wf_mesh.ParallelMesh) -> None:
+        super().__init__()
+        self.head_dim, self.method, self.mesh = dim // heads, method, mesh
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, plan: wf_mesh.CPAttentionPlan) -> torch.Tensor:
+        q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)) for proj in (self.q, self.k, self.v))  # tp-local heads
+        out = wf_mesh.cp_attention(q, k, v, layout="bshd", method=self.method, mesh=self.mesh, plan=plan)
+        return self.out(out.flatten(-2))
+
+
+TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+           "attn.out": RowwiseParallel(), "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}  # fmt: skip
+"""Each block's tensor-parallel plan (torch's ``parallelize_module`` on ``mesh["tp"]``)."""
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, method: str, mesh: wf_mesh.ParallelMesh) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        # Attention over every cp rank's tokens. No qkv bias: a key bias shifts every score of a query by the
-        # same amount, so its gradient is zero up to rounding, and AdamW would turn that noise into full steps.
-        self.attn = wf_mesh.CPSelfAttention(dim, heads, method=method, mesh=mesh, bias=False)
+        self.attn = Attention(dim, heads, method, mesh)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
@@ -162,6 +204,9 @@ def build_model(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> nn.Modu
     with torch.random.fork_rng(devices=()):
         torch.manual_seed(args.seed)
         model = TinyVideoDiT(args, mesh).to(mesh.device)
+    if mesh.size("tp") > 1:  # tp first, on the tp axis of the same mesh; then FSDP2 shards the tp shards over dp_cp
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], TP_PLAN)
     fsdp = mesh.fsdp_mesh()
     for block in model.blocks:
         fully_shard(block, mesh=fsdp)
@@ -174,15 +219,23 @@ def build_model(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> nn.Modu
 
 
 # ---- data -----------------------------------------------------------------------------------------------
-def global_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(noisy latents, targets, noise levels)`` of the whole batch of ``step``: identical on every rank and at
-    every world size (its own generator, seeded by the seed and the step)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    shape = (args.batch, args.channels, args.frames, args.height, args.width)
+def local_batch(
+    args: argparse.Namespace, step: int, mesh: wf_mesh.ParallelMesh, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(noisy latents, targets, noise levels)`` of this dp rank's samples ``rows`` of ``step``, drawn through
+    ``mesh.generator`` (seeded by the seed and the step): equal on the cp and tp peers, which must see the same
+    latents, noise and noise levels. ``--data-rng global``: the whole batch, identical on every rank and at every
+    world size, cut to ``rows``; ``dp``: only this dp rank's samples, from a stream of its own."""
+    seed = args.seed * 1_000_003 + step
+    if args.data_rng == "global":
+        g, n, keep = mesh.generator(seed, vary_over=()), args.batch, rows
+    else:
+        g, n, keep = mesh.generator(seed, vary_over=("dp",)), len(rows), slice(None)
+    shape = (n, args.channels, args.frames, args.height, args.width)
     latent, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    sigma = torch.rand(args.batch, generator=g)
+    sigma = torch.rand(n, generator=g)
     s = sigma.view(-1, 1, 1, 1, 1)
-    return (1 - s) * latent + s * noise, noise - latent, sigma
+    return ((1 - s) * latent + s * noise)[keep], (noise - latent)[keep], sigma[keep]
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
@@ -222,6 +275,20 @@ def load_checkpoint(path: Path, model, optimizer, ema, device: torch.device) -> 
 
 
 # ---- training -------------------------------------------------------------------------------------------
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients on different meshes (FSDP2's ``dp_cp`` and, under tp, ``(dp_cp, tp)``,
+    which DTensor cannot stack together): one total norm per mesh, combined; returns the global norm."""
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [nn.utils.get_total_norm([p.grad for p in params]) for params in by_mesh.values()]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    for params in by_mesh.values():
+        nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def full_weights(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full CPU copies of (possibly sharded) tensors: an all-gather per DTensor, on every rank."""
     return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for n, t in named.items()}
@@ -238,7 +305,7 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     """Train; returns (on every rank)::
 
-        {"world_size", "dp", "cp", "start_step" (0 or the step resumed from), "steps",
+        {"world_size", "dp", "cp", "tp", "start_step" (0 or the step resumed from), "steps",
          "losses": {step: global mean loss}, "grad_norms": {step: global gradient norm before clipping},
              for the steps this call ran,
          "weights" / "ema": {parameter name: full fp32 CPU tensor} after the last step,
@@ -252,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quiet:  # wf_mesh's own log lines too (loguru's switch for a library's records)
         logger.disable("wf_mesh")
     try:
-        with wf_mesh.init_from_env(wf_mesh.ParallelDims(cp=args.cp, cp_ulysses=args.cp_ulysses)) as session:
+        with wf_mesh.init_from_env(wf_mesh.ParallelDims(tp=args.tp, cp=args.cp, cp_ulysses=args.cp_ulysses)) as session:
             return train(args, session.mesh)
     finally:
         if args.quiet:
@@ -261,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp, dp_rank, cp = mesh.size("dp"), mesh.rank("dp"), mesh.size("cp")
+    dp, dp_rank, cp, tp = mesh.size("dp"), mesh.rank("dp"), mesh.size("cp"), mesh.size("tp")
     device = mesh.device
     verbose = rank == 0 and not args.quiet
 
@@ -281,7 +348,7 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ema = wf_mesh.ShardedEMA(model, beta=args.ema_beta)
     log(
-        f"train_video_dit: {world} process(es) = dp {dp} x cp {cp} ({args.cp_method}"
+        f"train_video_dit: {world} process(es) = dp {dp} x cp {cp}{f' x tp {tp}' if tp > 1 else ''} ({args.cp_method}"
         f"{f', ulysses {args.cp_ulysses}' if args.cp_method == 'usp' else ''}), latents {latent_shape}, "
         f"{split.local_tokens} of {split.t * split.h * split.w} tokens per sample on each cp rank, "
         f"{sum(p.numel() for p in model.parameters())} parameters, {args.steps} steps"
@@ -302,13 +369,11 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     grad_norms: dict[int, float] = {}
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
-        noisy, target, sigma = global_batch(args, step)
-        noisy, target, sigma = noisy[rows].to(device), target[rows].to(device), sigma[rows].to(device)
+        noisy, target, sigma = (t.to(device) for t in local_batch(args, step, mesh, rows))
         tokens, target = split.shard(noisy, mesh=mesh), split.shard(target, mesh=mesh)  # this cp rank's block
         squared = model(tokens, sigma, target, split, mesh)
         (squared / global_elements).backward()  # summed over dp_cp by FSDP2: the global mean's gradient
-        norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or math.inf)  # of the GLOBAL gradient
-        grad_norms[step] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        grad_norms[step] = clip_grad_norm(model, args.clip_grad or math.inf).item()  # of the GLOBAL gradient
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema.update(model)
@@ -329,7 +394,7 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
 
     weights = full_weights(dict(model.named_parameters()))
     result = {
-        "world_size": world, "dp": dp, "cp": cp, "start_step": start, "steps": args.steps,
+        "world_size": world, "dp": dp, "cp": cp, "tp": tp, "start_step": start, "steps": args.steps,
         "losses": losses, "grad_norms": grad_norms,
         "weights": weights, "ema": full_weights(ema.state_dict()), "digest": digest(weights),
     }  # fmt: skip

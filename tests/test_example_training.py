@@ -99,8 +99,9 @@ def assert_close(got, expected, what):
         (4, ("--cp", "2"), 4),  # dp 2 x cp 2: the fast lane's one
         pytest.param(4, ("--cp", "4", "--cp-method", "usp", "--cp-ulysses", "2"), 4, marks=pytest.mark.slow),
         pytest.param(4, ("--cp", "2", "--cp-method", "ulysses"), 3, marks=pytest.mark.slow),  # uneven: 2 and 1
+        pytest.param(4, ("--tp", "2", "--cp", "2"), 4, marks=pytest.mark.slow),  # parallelize_module on mesh["tp"]
     ],
-    ids=["dp2", "cp2-ring", "dp2xcp2-ring", "cp4-usp", "dp2xcp2-ulysses-uneven"],
+    ids=["dp2", "cp2-ring", "dp2xcp2-ring", "cp4-usp", "dp2xcp2-ulysses-uneven", "tp2xcp2-ring"],
 )
 def test_loss_trajectory_and_weights_match_one_process(world, args, batch):
     reference = run(1, "--batch", str(batch))
@@ -109,6 +110,18 @@ def test_loss_trajectory_and_weights_match_one_process(world, args, batch):
     assert sorted(result["losses"]) == list(range(1, STEPS + 1))
     assert result["losses"][STEPS] < result["losses"][1]  # it learns
     assert_close(result, reference, f"{world} processes {' '.join(args)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [4, 3], ids=["even", "uneven"])
+def test_per_dp_rank_data_is_the_same_run_at_every_cp(batch):
+    # --data-rng dp: each dp rank draws its own samples, noise and noise levels (mesh.generator over dp), so the
+    # cp peers of a dp rank see the same data and the run depends on dp only: dp 2 x cp 2 = dp 2 x cp 1
+    per_dp = run(2, "--batch", str(batch), "--data-rng", "dp")
+    assert_close(
+        run(4, "--batch", str(batch), "--cp", "2", "--data-rng", "dp"), per_dp, "dp 2 x cp 2 vs dp 2, per-dp data"
+    )
+    assert deviations(per_dp, run(2, "--batch", str(batch)))[0] > 1e-3  # other data than the global stream
 
 
 @pytest.mark.slow

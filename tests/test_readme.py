@@ -95,3 +95,10 @@ def test_ci_runs_the_readme_commands_as_written():
     ci = (README.parent / ".ci" / "run").read_text()
     assert len(commands) == 2 and ci.index(commands[0]) < ci.index(commands[1])
     assert "[test]" not in commands[0] and "demo" in commands[0]  # the first runs before any test extra
+
+
+def test_the_dit_recipe_is_under_15_changed_lines_as_the_readme_says():
+    source = next(b[3] for b in CLUSTER if b[0] == "dit_tour.py")
+    marked = [line for line in source.splitlines() if "# CP" in line]
+    stated = re.search(r"the lines marked `# CP` \((\d+)\) are the whole\s+change", README.read_text())
+    assert stated and int(stated[1]) == len(marked) < 15, marked

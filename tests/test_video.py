@@ -180,6 +180,8 @@ def token_cp(shape, cp, tp, patch, dim):
     (full * weight).sum().backward()
     grad = tokens.grad.clone()
     torch.distributed.all_reduce(grad, group=wf_mesh.get_parallel_mesh().group("cp"))  # sum of the cp shards' grads
+    plan = split.attention_plan(tokens=True)  # the token grid's sequence, not the latent's
+    assert plan.lengths == (n // cp,) * cp and split.attention_plan().lengths == (split.local_tokens,) * cp
     return (
         split.positions(),
         local.detach(),

@@ -6,11 +6,12 @@ Native API (mesh first):
                            (context manager, close()) that tears down what it started
     init_parallel          build the ParallelMesh (one init_device_mesh + derived axes) and make it current
     get_parallel_mesh      the current mesh (raises if none); parallel_mesh_or_none() returns None instead
-    ParallelMesh           mesh[axis] -> DeviceMesh, .group/.rank/.size/.ranks(axis), .destroy()
+    ParallelMesh           mesh[axis] -> DeviceMesh, .group/.rank/.size/.ranks(axis), .generator(seed, vary_over),
+                           .destroy()
 
 Context parallel (wf_mesh.context_parallel, wf_mesh.video, wf_mesh.attention):
     shard_sequence / gather_sequence / broadcast_shard   Replicate <-> Shard(seq_dim) on the cp axis
-    plan_video_split -> VideoSplit                       time-then-height CP plans for (B, C, T, H, W) latents
+    plan_video_split -> VideoSplit                       time, height, width CP plans: latents and their patch tokens
     cp_attention, CPSelfAttention                        exact attention over cp shards: ring, ulysses, usp
     plan_cp_attention -> CPAttentionPlan                 every shard's length agreed once per step (plan=)
     zigzag_shard / zigzag_gather                         the load-balanced layout for causal attention

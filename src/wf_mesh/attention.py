@@ -299,6 +299,10 @@ def cp_attention(
 
     Without a plan every error is raised on every cp rank, before any data moves. With a plan (or DTensors
     and checks off) there is no exchange: what this rank can check it still checks, and raises on this rank.
+
+    Gradients: the backward gives each rank the exact gradients of its own q, k, v shards. Weights that
+    produce them (projections, norms) are replicated over cp and see only this rank's tokens, so their
+    gradients are per-rank partial sums: sum them over cp, or let FSDP2 over ``dp_cp`` sum them.
     """
     if torch.compiler.is_compiling():
         return _compiled_call(q, k, v, key_padding_mask, method, layout, causal, scale, balance, mesh, plan)
@@ -679,22 +683,33 @@ def zigzag_gather(local: torch.Tensor, seq_dim: int, *, mesh: MeshArg = None, se
 class CPSelfAttention(nn.Module):
     """Multi-head self-attention over CP-sharded tokens: qkv projection, :func:`cp_attention`, output projection.
 
-    Use it like an ordinary module on this rank's tokens ``(B, S_local, dim)``; its weights are replicated
-    over the cp ranks (their gradients are per-rank partial sums: FSDP2 on the ``dp_cp`` axis, or an
-    all-reduce over cp, adds them). Recipe for video latents::
+    Use it like an ordinary module on this rank's tokens ``(B, S_local, dim)``.
+
+    Gradient rule: its weights are replicated over the cp ranks and each rank's backward sees only its own
+    tokens, so their gradients are per-rank partial sums: sum them over cp (FSDP2 over the ``dp_cp`` axis,
+    ``fully_shard(model, mesh=pm.fsdp_mesh())``, does it together with dp; without FSDP,
+    ``dist.all_reduce(p.grad, group=pm.group("cp"))``). The same holds for every weight around
+    :func:`cp_attention`.
+
+    Recipe for a video DiT with a Conv3d patch embedding and a 3-D RoPE (the token grid; see
+    :mod:`wf_mesh.video` for the token order: each shard natural ``(t h w)`` within its block)::
 
         pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=4))
-        split = wf_mesh.plan_video_split(latent.shape, cp_size=pm.size("cp"))
-        tokens = patch_embed(split.shard(latent, mesh=pm))             # (B, T'*H'*W, C): this rank's block
-        tokens = tokens + split.shard_positions(pos_emb, mesh=pm)      # same token order
+        split = wf_mesh.plan_video_split(latent.shape, cp_size=pm.size("cp"), patch_values=(1, 2, 2))
+        tokens = patch_embed(latent).flatten(2).transpose(1, 2)    # (B, N, C), natural (t h w) order
+        tokens = split.shard_tokens(tokens, mesh=pm)               # (B, N / cp, C): this rank's block
+        pos = split.positions(mesh=pm)                             # (N / cp, 3): global (t, h, w) for RoPE
         attn = CPSelfAttention(C, heads=16, method="ulysses", mesh=pm)  # or "ring" / "usp"
-        plan = split.attention_plan(mesh=pm)                           # agreed once per step, for all layers
+        plan = split.attention_plan(mesh=pm, tokens=True)          # agreed once per step, for all layers
         for _ in range(depth):
-            tokens = tokens + attn(norm(tokens), plan=plan)            # attention over ALL ranks' tokens
-        video = split.gather(unpatch(tokens), mesh=pm)                  # (B, C, T, H, W) on every rank
+            tokens = tokens + attn(norm(tokens), plan=plan)        # attention over ALL ranks' tokens
+        out = split.gather_tokens(final_layer(tokens), mesh=pm)    # (B, N, C'), natural order: unpatchify
+        # loss(out).backward(); then sum the parameter gradients over cp (above)
 
-    The shards of ``VideoSplit.shard`` are ``Shard(1)`` of the flattened ``(t h w)`` block sequence, which
-    is exactly the layout cp_attention expects (``torch.chunk`` sizing, cp-rank order).
+    (A model that applies RoPE inside attention builds its tables from ``pos``; :meth:`VideoSplit.shard` /
+    :meth:`~VideoSplit.shard_positions` are the same recipe for per-voxel tokens.) The shards are ``Shard(1)``
+    of the block-order sequence, which is exactly the layout cp_attention expects (``torch.chunk`` sizing,
+    cp-rank order).
     """
 
     def __init__(
