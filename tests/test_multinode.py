@@ -83,7 +83,7 @@ def test_demo_on_two_nodes_over_c10d_rendezvous():
     assert len(summaries) == 1, report  # printed once, by the node that got global rank 0
     out = summaries[0]
     assert "wf-mesh demo: 2 ranks (2 nodes x 1 process) on gloo/cpu" in out, report
-    assert "demo OK: 2 ranks, 4 checks passed, 1 skipped" in out, report
+    assert "demo OK: 2 ranks, 4 of 5 checks passed, 1 skipped (pipeline ring)" in out, report
     assert "FAIL" not in out and "ok   cp video split: (2, 4, 4, 8, 6) latent over cp=2" in out, report
     assert marked(marker) == []
 
