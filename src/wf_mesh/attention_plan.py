@@ -225,8 +225,8 @@ class CPAttentionPlan:
         """
         dim = self._plain_dim(y, seq_dim, "gather")
         local, longest, parts = y.shape[dim], max(self.lengths), len(self.lengths)
-        if local != self.local_len:
-            padded = y.narrow(dim, 0, 0)  # fits no shard of the padded length: refused on every rank
+        if local != self.local_len:  # sent so that gather_sequence refuses it on every rank: not `longest` long
+            padded = y if local != longest else y.narrow(dim, 0, 0)
         elif local == longest:
             padded = y
         else:
@@ -240,7 +240,7 @@ class CPAttentionPlan:
                 f"this rank's shard holds {local} tokens along dim {dim} but the plan gives cp rank {self.rank} "
                 f"{self.local_len}"
                 if local != self.local_len
-                else "a shard does not fit the plan"
+                else "another rank's shard does not fit the plan"
             )
             raise ShapeMismatchError(f"plan.gather: {mine} (shard lengths {list(self.lengths)}): {exc}") from exc
         if all(len(s) <= 1 for s in self.segments) and all(n == longest for n in self.lengths):
