@@ -229,3 +229,138 @@ def test_the_benchmark_reports_the_plan_rows(tmp_path):
         assert rows[f"cp 4: {method} with a plan: collectives per layer per step"]["ratio"] == collectives
         assert rows[f"cp 4: {method} compiled: graphs over 3 steps (a new plan each)"]["ratio"] == 1
         assert rows[f"cp 4: {method}: peak bytes of one fwd+bwd at 2 S_local / at S_local"]["ratio"] < 3
+
+
+# ---- plans with a mask (issue 19 item 2) ------------------------------------------------------------------
+PLAN_MASKS = {
+    "block_causal": lambda: wf_mesh.RangeMask.block_causal([4] * 16),
+    "packed": lambda: wf_mesh.RangeMask.packed([23, 5, 14, 22], causal="block", chunk_size=4),
+    "windowed": lambda: wf_mesh.RangeMask.chunk_window([3, 5, 4, 6, 2, 5, 7, 4, 3, 5, 6, 4], 3),
+}
+
+
+def mask_plan_runs(name):
+    """This rank's view of the balanced and the contiguous plan of a mask, and a shard + gather round trip
+    (values and the gradient reaching the global input)."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+    mask = PLAN_MASKS[name]()
+    plan = wf_mesh.plan_cp_attention(mask=mask, mesh=pm)
+    contiguous = wf_mesh.plan_cp_attention(mask=mask, mesh=pm, balance=None)
+    x = sample((2, mask.seq_len, 3), seed=1, dtype=torch.float64).requires_grad_()
+    local = plan.shard(x, 1)
+    y = plan.gather(local * (1 + plan.rank), 1)  # each rank scales its own tokens: the gather must place them
+    y.backward(sample(y.shape, seed=2, dtype=torch.float64))
+    return dict(
+        balance=plan.balance,
+        segments=plan.segments,
+        lengths=plan.lengths,
+        work=plan.work,
+        imbalance=plan.imbalance,
+        contiguous=(contiguous.segments, contiguous.imbalance),
+        local=local.detach(),
+        y=y.detach(),
+        grad=x.grad,
+    )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", sorted(PLAN_MASKS))
+def test_a_mask_plan_balances_work_and_round_trips_exactly(name, world):
+    mask = PLAN_MASKS[name]()
+    x, g = (
+        sample((2, mask.seq_len, 3), seed=1, dtype=torch.float64),
+        sample((2, mask.seq_len, 3), seed=2, dtype=torch.float64),
+    )
+    results = run_distributed(world, mask_plan_runs, name)
+    segments = results[0]["segments"]
+    scale = torch.ones(mask.seq_len, dtype=torch.float64)
+    for rank, segs in enumerate(segments):
+        for a, b in segs:
+            scale[a:b] = 1 + rank
+    for rank, r in enumerate(results):
+        assert r["balance"] == "work" and r["segments"] == segments, rank  # one plan on every rank
+        assert r["lengths"] == tuple(sum(b - a for a, b in s) for s in segments)
+        assert r["work"] == tuple(mask.count(list(s), (0, mask.seq_len)) for s in segments)
+        # within 10% of the mean; contiguous shards when they are already (then the plan is them)
+        assert r["imbalance"] <= min(1.10, r["contiguous"][1]), (rank, r["imbalance"], r["contiguous"])
+        if r["contiguous"][1] <= 1.10:
+            assert segments == r["contiguous"][0]
+        want_local = torch.cat([x[:, a:b] for a, b in segments[rank]], 1)
+        assert torch.equal(r["local"], want_local)  # plan order: increasing global position
+        assert torch.equal(r["y"], x * scale[None, :, None])  # the global order, exactly
+        mine = torch.zeros(mask.seq_len, dtype=torch.float64)
+        for a, b in segments[rank]:
+            mine[a:b] = 1 + rank
+        assert torch.equal(r["grad"], g * mine[None, :, None])  # replicate: this rank's tokens' gradient
+
+
+def contiguous_block_causal_imbalance():
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=4))
+    mask = wf_mesh.RangeMask.block_causal([4] * 16)
+    plans = [wf_mesh.plan_cp_attention(mask=mask, mesh=pm, balance=b) for b in (None, "zigzag", "work")]
+    return [(p.segments[p.rank], p.imbalance) for p in plans]
+
+
+def test_contiguous_shards_of_sixteen_block_causal_chunks_at_cp4_are_1_71_and_the_plan_1_0():
+    for rank, (contiguous, zigzag, work) in enumerate(run_distributed(4, contiguous_block_causal_imbalance)):
+        assert contiguous == (((16 * rank, 16 * rank + 16),), pytest.approx(58 / 34))
+        assert round(contiguous[1], 2) == 1.71
+        assert zigzag[1] == 1.0 and len(zigzag[0]) == (1 if rank == 3 else 2)  # rank 3: chunks 3, 4 touch
+        assert work[1] == 1.0 and all(a % 4 == 0 and b % 4 == 0 for a, b in work[0])  # whole chunks
+
+
+def mask_plan_misuse(kind):
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    rank = pm.rank("cp")
+    bc = wf_mesh.RangeMask.block_causal([4] * 4)
+    try:
+        if kind == "different_masks":
+            wf_mesh.plan_cp_attention(mask=bc if rank == 0 else wf_mesh.RangeMask.packed([8, 8]), mesh=pm)
+        elif kind == "different_balance":
+            wf_mesh.plan_cp_attention(mask=bc, mesh=pm, balance="work" if rank == 0 else None)
+        elif kind == "seq_len_contradicts_mask":
+            wf_mesh.plan_cp_attention(seq_len=15, mask=bc, mesh=pm)
+        elif kind == "not_a_mask":
+            wf_mesh.plan_cp_attention(mask=bc.dense(), mesh=pm)
+        elif kind == "work_without_mask":
+            wf_mesh.plan_cp_attention(seq_len=8, mesh=pm, balance="work")
+        elif kind == "neither":
+            wf_mesh.plan_cp_attention(mesh=pm)
+        elif kind == "cp_attention_with_a_mask_plan":
+            plan = wf_mesh.plan_cp_attention(mask=bc, mesh=pm, balance=None)
+            q = sample((1, 2, plan.local_len, 8))
+            cp_attention(q, q, q, layout="bhsd", plan=plan)
+        elif kind == "gather_wrong_length":  # rank 1 passes one token too many
+            plan = wf_mesh.plan_cp_attention(mask=wf_mesh.RangeMask.block_causal([2, 2, 2, 2, 8]), mesh=pm)
+            plan.gather(sample((1, plan.local_len + rank, 3)), 1)
+        elif kind == "shard_wrong_length":
+            plan = wf_mesh.plan_cp_attention(mask=bc, mesh=pm)
+            plan.shard(sample((1, 15, 3)), 1)
+    except Exception as exc:
+        return exc
+    return None
+
+
+MASK_PLAN_ERRORS = {
+    "different_masks": (
+        DisagreementError,
+        r"plan_cp_attention: ranks disagree on mask \(pieces, digest\) \(rank 0: \(4, \d+\); rank 1: \(2, \d+\)\)",
+    ),
+    "different_balance": (DisagreementError, r"ranks disagree on balance \(rank 0: work; rank 1: None\)"),
+    "seq_len_contradicts_mask": (ValueError, r"seq_len=15 contradicts the mask's seq_len 16"),
+    "not_a_mask": (TypeError, r"mask must be a wf_mesh.RangeMask, got Tensor"),
+    "work_without_mask": (
+        ValueError,
+        r"balance='work': use None or 'zigzag' \(balance='work' balances a mask: pass mask=\)",
+    ),
+    "neither": (TypeError, r"plan_cp_attention needs seq_len or mask"),
+    "cp_attention_with_a_mask_plan": (NotImplementedError, r"cp_attention does not evaluate a RangeMask yet"),
+    "gather_wrong_length": (ShapeMismatchError, r"plan.gather: .*shard lengths \[\d+, \d+\]\): gather_sequence"),
+    "shard_wrong_length": (ShapeMismatchError, r"plan.shard: x holds 15 tokens along dim 1, the plan's seq_len is 16"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MASK_PLAN_ERRORS))
+def test_mask_plan_misuse_raises_on_every_rank(kind):
+    error, match = MASK_PLAN_ERRORS[kind]
+    raised_everywhere(run_distributed(2, mask_plan_misuse, kind), error, match)

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["wf_mesh.topology", "wf_mesh.sizing", "wf_mesh.viz", "wf_mesh.legacy.context_parallel"]
+MODULES = ["wf_mesh.topology", "wf_mesh.sizing", "wf_mesh.masks", "wf_mesh.viz", "wf_mesh.legacy.context_parallel"]
 
 
 @pytest.mark.parametrize("name", MODULES)

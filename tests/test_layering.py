@@ -10,7 +10,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "wf_mesh"
 
 # layer of each module (dotted name under wf_mesh); packages: every module inside takes the package's layer
 LAYERS = {
-    0: ["errors", "sizing", "topology"],  # pure: no torch.distributed (no torch at import time)
+    # pure: no torch.distributed (no torch at import time)
+    0: ["errors", "sizing", "topology", "masks", "load_balance"],
     1: ["_compat", "agreement"],  # torch glue: private torch API, the agreement exchange
     2: ["mesh"],  # the one mesh
     3: [

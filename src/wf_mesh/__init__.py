@@ -15,6 +15,8 @@ Context parallel (wf_mesh.context_parallel, wf_mesh.video, wf_mesh.attention):
     cp_attention, CPSelfAttention                        exact attention over cp shards: ring, ulysses, usp
     plan_cp_attention -> CPAttentionPlan                 every shard's length agreed once per step (plan=)
     zigzag_shard / zigzag_gather                         the load-balanced layout for causal attention
+    RangeMask                                            block-causal / packed / windowed masks as ranges;
+                                                         plan_cp_attention(mask=...) balances their work
 
 Shard-local model state for FSDP2 (wf_mesh.ema, wf_mesh.state_sync):
     ShardedEMA                       fp32 EMA of local shards; update(model), swapped_into(model), DCP state_dict
@@ -74,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "shard_sequence": "wf_mesh.context_parallel",
     "VideoSplit": "wf_mesh.video",
     "CPAttentionPlan": "wf_mesh.attention_plan",
+    "RangeMask": "wf_mesh.masks",
     "CPSelfAttention": "wf_mesh.attention",
     "plan_cp_attention": "wf_mesh.attention_plan",
     "cp_attention": "wf_mesh.attention",
