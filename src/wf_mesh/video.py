@@ -320,7 +320,7 @@ def plan_video_split(
         cp_size: the cp ranks.
         patch_values: the model's patch size ``(pt, ph, pw)``: blocks are whole patches, and it is the
             :class:`VideoSplit`'s ``patch`` (the token grid of :meth:`VideoSplit.shard_tokens`).
-        split_width: False refuses a plan that would split W (the legacy ``find_split`` rule).
+        split_width: False refuses a plan that would split W (for callers whose models cannot take a width split).
 
     Returns:
         The plan: the latent's ``(t, h, w)``, the ranks that split T, H and W (``cp_t``, ``cp_h``, ``cp_w``)
