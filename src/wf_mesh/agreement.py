@@ -104,7 +104,9 @@ _TYPES: tuple[type[BaseException], ...] = (
     FileNotFoundError,
     ImportError,
     OSError,
+    torch.OutOfMemoryError,
     RuntimeError,
+    MemoryError,
     Exception,
 )
 

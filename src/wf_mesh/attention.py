@@ -442,7 +442,8 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kern
     if call.method == "allgather":
         longest = max(lengths)
         kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
-        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, kernel)
+        verdict = cp.get_group().group_name
+        core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, kernel, verdict)
         return _MethodPlan(core, gather=cp.get_group(), gather_longest=longest)
     ring: DeviceMesh | None
     uly: DeviceMesh | None
@@ -459,7 +460,9 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kern
         for i in range(ring_size)
     ]
     group = ring.get_group() if ring is not None and ring_size > 1 else None
-    core = RingPlan(group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, kernel)
+    core = RingPlan(
+        group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, kernel, cp.get_group().group_name
+    )
     if uly is None or u == 1:
         return _MethodPlan(core)
     return _MethodPlan(

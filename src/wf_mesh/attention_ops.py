@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
+from wf_mesh.faults import FaultSequence
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = [
@@ -125,6 +126,7 @@ class RingPlan:
     causal: bool
     scale: float
     kernel: Kernel
+    verdict: str = ""  # the name of the group every rank of the call is in: where a contained failure is told
 
     @property
     def size(self) -> int:
@@ -258,13 +260,20 @@ def ring_forward(q, k, v, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tens
     out = torch.zeros_like(q, dtype=acc)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
     block = (k, v, pad)
+    seq, step = FaultSequence(plan.verdict or None, "cp_attention"), _step_name(plan)
     for t in range(plan.size):
         j = (plan.index - t) % plan.size
         hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-        _forward_block(q, block, j, plan, out, lse)
+        seq.step((step, t + 1, plan.size), _forward_block, q, block, j, plan, out, lse)
         if hop is not None:
             block = hop.wait()
+    seq.close()
     return out.to(q.dtype), lse
+
+
+def _step_name(plan: RingPlan, backward: str = "") -> str:
+    """How a contained failure names a block step of ``plan`` (see :mod:`wf_mesh.faults`)."""
+    return f"ring{backward} hop" if plan.group is not None else f"local attention{backward}"
 
 
 def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -277,12 +286,13 @@ def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.T
     acc = accumulation_dtype(q.dtype)  # also of the travelling dK/dV: every ring rank sends and sizes alike
     dq = torch.zeros_like(q, dtype=acc)
     block, dkv_hop = (k, v, pad), None
+    seq, step = FaultSequence(plan.verdict or None, "cp_attention backward"), _step_name(plan, " backward")
     for t in range(plan.size):
         j = (plan.index - t) % plan.size
         kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
         dk = torch.zeros_like(block[0], dtype=acc)
         dv = torch.zeros_like(block[1], dtype=acc)
-        _backward_block(dout, q, out, lse, block, j, plan, dq, dk, dv)
+        seq.step((step, t + 1, plan.size), _backward_block, dout, q, out, lse, block, j, plan, dq, dk, dv)
         if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
             got_dk, got_dv = dkv_hop.wait()
             dk += got_dk
@@ -294,6 +304,7 @@ def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.T
             block = kv_hop.wait()
     if dkv_hop is not None:
         dk, dv = dkv_hop.wait()
+    seq.close()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -436,7 +447,9 @@ _RING_PLANS: dict[str, tuple[RingPlan, str]] = {}
 def register_ring_plan(plan: RingPlan) -> str:
     """The key of ``plan`` for :func:`ring_attention_op`."""
     group = "" if plan.group is None else plan.group.group_name
-    key = repr((group, plan.index, plan.q_segments, plan.kv_segments, plan.kv_lengths, plan.causal, plan.scale))
+    key = repr(
+        (group, plan.index, plan.q_segments, plan.kv_segments, plan.kv_lengths, plan.causal, plan.scale, plan.verdict)
+    )
     key = f"{key}/{plan.kernel.value}"
     _RING_PLANS[key] = (dataclasses.replace(plan, group=None), group)
     return key

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from wf_mesh import _compat, agreement
+from wf_mesh import _compat, agreement, faults
 from wf_mesh.errors import NotInitializedError, StateError
 from wf_mesh.topology import AXES, AXIS_TABLE, DERIVED_AXES, FSDP_AXIS, SUB_AXES, ParallelDims, as_int, parse_axes
 
@@ -324,6 +324,7 @@ class ParallelMesh:
             _current = None
             reset_extensions(destroy_process_groups)
             agreement.set_checks(None)
+            faults.set_containment(None)
         _compat.release_meshes(self.root, self._meshes, destroy_groups=destroy_process_groups)
         self._axes = {}
         self._meshes = []
@@ -358,6 +359,7 @@ _CREATION_FIELDS: list[tuple[str, object, object]] = [
     ("timeout_ms", int, agreement.fact(label="timeout")),
     ("device_type", str, agreement.fact(choices=DEVICE_TYPES)),
     ("checks", bool, dataclasses.field()),
+    ("contain_faults", bool, dataclasses.field()),
     ("nccl_config", int, agreement.fact(label="nccl_config")),  # a crc of the sorted config
     ("extra_axes", int, agreement.fact(label="extra_axes")),  # a crc of the extra flattened axes
 ]
@@ -392,6 +394,7 @@ def _creation_facts(
     nccl_config: Mapping[str, Mapping[str, int]] | None,
     dp_replicate: int | None,
     checks: bool | None,
+    contain_faults: bool | None,
     extra_axes: tuple[str, ...],
 ) -> agreement.Facts:
     """This rank's validation of its init_parallel arguments, as its record (the dims resolved)."""
@@ -422,17 +425,18 @@ def _creation_facts(
         timeout_ms=_timeout_ms(timeout),
         device_type=device,
         checks=agreement.checks_enabled() if checks is None else bool(checks),
+        contain_faults=faults.containment_enabled() if contain_faults is None else bool(contain_faults),
         nccl_config=zlib.crc32(repr(sorted(config.items())).encode()),
         extra_axes=zlib.crc32(repr(extra).encode()),
     )
 
 
-def _agree_on_creation(dims: ParallelDims, *options: Any) -> tuple[ParallelDims, str, bool]:
+def _agree_on_creation(dims: ParallelDims, *options: Any) -> tuple[ParallelDims, str, bool, bool]:
     """Validate here and agree with every rank (one all-gather over the default group), or raise the same
     error on every rank.
 
     Returns:
-        The resolved dims, the device type and the checks setting.
+        The resolved dims, the device type, the checks and the containment settings.
     """
     world: Any = dist.group.WORLD
     agreed: agreement.Agreed[Any] = agreement.agree(
@@ -451,7 +455,7 @@ def _agree_on_creation(dims: ParallelDims, *options: Any) -> tuple[ParallelDims,
             agreed.require_same(name, hint=hint)
     mine: Any = agreed.mine
     resolved = dims.resolve(dist.get_world_size())
-    return resolved, mine.device_type, mine.checks
+    return resolved, mine.device_type, mine.checks, mine.contain_faults
 
 
 def init_parallel(
@@ -462,6 +466,7 @@ def init_parallel(
     nccl_config: Mapping[str, Mapping[str, int]] | None = None,
     dp_replicate: int | None = None,
     checks: bool | None = None,
+    contain_faults: bool | None = None,
     extra_axes: Sequence[str] = (),
 ) -> ParallelMesh:
     """Build the mesh for ``dims`` (default: pure data parallel) over the default process group and make it
@@ -478,6 +483,10 @@ def init_parallel(
             ``dp_replicate`` replicas x ``dp // dp_replicate`` shards. Must divide dp.
         checks: run the validation-only agreement exchanges of every collective call (default: the
             ``WF_MESH_CHECKS`` environment variable, on unless it is ``"0"``); see :mod:`wf_mesh.agreement`.
+        contain_faults: a rank whose local step fails inside a multi-step collective sequence (ring attention,
+            a bucketed state broadcast, a pipeline transfer) completes the sequence, and every rank raises its
+            error; costs one small all-gather per sequence (default: ``WF_MESH_CONTAIN_FAULTS``, off unless
+            ``"1"``); see :mod:`wf_mesh.faults`.
         extra_axes: more flattened axes to create up front besides the derived ones, as tokens of base
             axes (``"tp-pp-dp"``); each is registered under its members in use joined by ``_`` in ``order`` order.
 
@@ -501,8 +510,15 @@ def init_parallel(
             "torch.distributed is not initialized: call wf_mesh.init_from_env(dims) (it starts the default group "
             "and builds the mesh) or torch.distributed.init_process_group(...) before building the mesh"
         )
-    dims, device_type, checks = _agree_on_creation(
-        dims or ParallelDims(), device_type, timeout, nccl_config, dp_replicate, checks, tuple(extra_axes)
+    dims, device_type, checks, contain = _agree_on_creation(
+        dims or ParallelDims(),
+        device_type,
+        timeout,
+        nccl_config,
+        dp_replicate,
+        checks,
+        contain_faults,
+        tuple(extra_axes),
     )
     backend = dist.get_backend()
     default_timeout = _compat.default_group_timeout()
@@ -518,6 +534,7 @@ def init_parallel(
         meshes.append(hsdp)
     _current = ParallelMesh(dims, root, axes, meshes, backend=backend, timeout=timeout or default_timeout, hsdp=hsdp)
     agreement.set_checks(checks)
+    faults.set_containment(contain)
     return _current
 
 
