@@ -609,3 +609,42 @@ def test_video_split_tokens_through_dit_attention(method, usp, video_results):
         assert grid == (2, 2)  # the split cuts both time and height: blocks are not contiguous in the latent
         assert torch.allclose(video, want_video, atol=1e-5, rtol=1e-5)
         assert torch.allclose(grads, want_grads, atol=1e-4, rtol=1e-5)
+
+
+# ---- ranks whose inputs have different memory layouts ---------------------------------------------------
+MIXED = [
+    Case(2, "ring", 37),
+    Case(2, "ring", 37, causal=True),
+    Case(4, "ring", 50, kv_heads=2),
+    Case(4, "allgather", 50),
+]
+
+
+def mixed_layouts(cases):
+    """Each case with even cp ranks passing contiguous (B, H, S, D) shards and odd ranks the same values as
+    transposed (B, S, H, D) memory: the ring's blocks must travel in one wire layout whatever each rank holds."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+    rank, results = pm.rank("cp"), []
+    for case in [c for c in cases if c.world == dist.get_world_size()]:
+        q, k, v, dout, _ = make_inputs(case)
+
+        def local(x):
+            x = wf_mesh.shard_sequence(x, 2, mesh=pm, as_dtensor=False)
+            return (x.contiguous() if rank % 2 == 0 else x.transpose(1, 2).contiguous().transpose(1, 2)).detach()
+
+        leaves = [local(x).requires_grad_() for x in (q, k, v)]
+        out = cp_attention(*leaves, method=case.method, mesh=pm, layout="bhsd", causal=case.causal)
+        out.backward(local(dout))
+        results.append([wf_mesh.gather_sequence(t, 2, mesh=pm) for t in (out.detach(), *(x.grad for x in leaves))])
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_with_different_memory_layouts(world):
+    cases = [c for c in MIXED if c.world == world]
+    per_rank = run_distributed(world, mixed_layouts, cases)
+    for i, case in enumerate(cases):
+        want = reference(case)
+        for rank in range(world):
+            for got, ref, name in zip(per_rank[rank][i], want, ("out", "dq", "dk", "dv")):
+                assert close(got, ref, TOL["float32"]), (case.id, rank, name, (got.double() - ref).abs().max())

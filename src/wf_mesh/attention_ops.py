@@ -164,24 +164,40 @@ class RingPlan:
                     yield slice(qs.offset + hi - qs.start, qs.offset + qs.length), keys, False
 
 
-def _empty_block(like: torch.Tensor, length: int) -> torch.Tensor:
-    """A receive buffer for a block like ``like`` with a sequence of ``length``.
+def _wire_order(ndim: int) -> list[int]:
+    """The dims of a travelling block from outermost to innermost in memory: ``(B, S, H, D)`` for a ``(B, H, S, D)``
+    block (the memory of ``x.view(B, S, H, D).transpose(1, 2)``, what SDPA callers and diffusers pass), row-major
+    for a ``(B, S)`` mask. One fixed layout on every rank: a receiver cannot see the sender's strides.
 
     Returns:
-        Uninitialized ``like`` with a sequence of ``length`` (dim 2 of ``(B, H, S, D)``, dim 1 of a ``(B, S)``
-        mask), in ``like``'s memory layout (dims ordered by stride), so that both ends send the same bytes.
+        The dim order (a permutation of ``range(ndim)``).
+    """
+    return [0, 2, 1, 3] if ndim == 4 else list(range(ndim))
+
+
+def _empty_block(like: torch.Tensor, length: int, dtype: torch.dtype | None = None, zero: bool = False) -> torch.Tensor:
+    """A buffer for a block like ``like`` with a sequence of ``length`` (dim 2 of ``(B, H, S, D)``, dim 1 of a
+    ``(B, S)`` mask) in the wire layout (:func:`_wire_order`).
+
+    Returns:
+        Uninitialized unless ``zero``, in ``like``'s dtype unless ``dtype``.
     """
     seq = 2 if like.ndim == 4 else 1
-    order = sorted(range(like.ndim), key=lambda d: like.stride(d), reverse=True)
+    order = _wire_order(like.ndim)
     shape = [length if d == seq else like.shape[d] for d in order]
-    buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+    make = torch.zeros if zero else torch.empty
+    buf = make(shape, dtype=dtype or like.dtype, device=like.device)
     return buf.permute([order.index(d) for d in range(like.ndim)])
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the contiguous tensor its memory is (a permuted view), for sending."""
-    order = sorted(range(x.ndim), key=lambda d: x.stride(d), reverse=True)
-    return x.permute(order).contiguous()
+    """``x``'s values in the wire layout as a contiguous tensor, for sending: a view when ``x`` already is in
+    that layout (every received block is), else one copy (a rank's own k, v in another layout, at the first hop).
+
+    Returns:
+        The contiguous tensor to send.
+    """
+    return x.permute(_wire_order(x.ndim)).contiguous()
 
 
 class _Hop:
@@ -290,8 +306,8 @@ def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.T
     for t in range(plan.size):
         j = (plan.index - t) % plan.size
         kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-        dk = torch.zeros_like(block[0], dtype=acc)
-        dv = torch.zeros_like(block[1], dtype=acc)
+        dk = _empty_block(block[0], block[0].shape[2], acc, zero=True)  # in the wire layout: they travel
+        dv = _empty_block(block[1], block[1].shape[2], acc, zero=True)
         seq.step((step, t + 1, plan.size), _backward_block, dout, q, out, lse, block, j, plan, dq, dk, dv)
         if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
             got_dk, got_dv = dkv_hop.wait()
@@ -496,7 +512,7 @@ def ring_attention_backward_op(
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, pad, key):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return torch.empty_like(q), _empty_block(k, k.shape[2]), _empty_block(v, v.shape[2])  # dK/dV: the wire layout
 
 
 def _ring_setup(ctx, inputs, output):
