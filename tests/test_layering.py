@@ -12,7 +12,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "wf_mesh"
 LAYERS = {
     # pure: no torch.distributed (no torch at import time)
     0: ["errors", "sizing", "topology", "masks", "load_balance"],
-    1: ["_compat", "agreement", "faults"],  # torch glue: private torch API, the agreement exchange, fault containment
+    1: [
+        "_compat",
+        "waits",
+        "agreement",
+        "faults",
+    ],  # torch glue: private torch API, bounded waits, the agreement exchange, fault containment
     2: ["mesh"],  # the one mesh
     3: [
         "context_parallel",

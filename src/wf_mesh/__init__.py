@@ -63,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "LaunchEnv": "wf_mesh.bootstrap",
     "init_from_env": "wf_mesh.bootstrap",
     "DegreeError": "wf_mesh.errors",
+    "CollectiveTimeoutError": "wf_mesh.errors",
     "DisagreementError": "wf_mesh.errors",
     "IndivisibleSequenceError": "wf_mesh.errors",
     "NotInitializedError": "wf_mesh.errors",

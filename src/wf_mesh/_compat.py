@@ -4,7 +4,7 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
 
 - ``flatten`` / ``unflatten``: ``DeviceMesh._flatten`` builds a 1-D mesh (and its process groups) over several
   axes; ``DeviceMesh._unflatten`` splits one axis into several (the cp sub-axes of USP attention).
-- ``default_group_timeout``: the default group's timeout lives on its backend's private options.
+- ``default_group_timeout`` / ``group_timeout``: a group's timeout lives on its backend's private options.
 - ``backend_options``: per-group options (``ProcessGroupGloo._Options``, ``ProcessGroupNCCL.Options``) carrying
   the timeout; ``new_group`` otherwise falls back to torch's global 30-minute default, not the timeout the
   default group was created with.
@@ -66,6 +66,7 @@ __all__ = [
     "backend_options",
     "clear_dtensor_caches",
     "default_group_timeout",
+    "group_timeout",
     "dispatch_mode",
     "cudnn_attention_cuda",
     "cudnn_attention_cuda_backward",
@@ -117,9 +118,18 @@ def default_group_timeout() -> datetime.timedelta:
     Returns:
         That timeout; torch's default for its backend where the backend keeps no options (the ``fake`` one).
     """
-    backend = dist.get_backend()
+    return group_timeout(dist.distributed_c10d._get_default_group())
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The timeout ``group``'s collectives wait for.
+
+    Returns:
+        That timeout; torch's default for its backend where the backend keeps no options (the ``fake`` one).
+    """
+    backend = dist.get_backend(group)
     device = torch.device("cuda" if backend == "nccl" else "cpu")
-    options = getattr(dist.distributed_c10d._get_default_group()._get_backend(device), "options", None)
+    options = getattr(group._get_backend(device), "options", None)
     if options is None:
         return dist.distributed_c10d._get_default_timeout(backend)
     return options._timeout

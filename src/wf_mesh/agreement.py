@@ -50,7 +50,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from wf_mesh import errors
+from wf_mesh import errors, waits
 
 __all__ = ["Agreed", "Facts", "agree", "checks_enabled", "comm_device", "fact"]
 
@@ -468,14 +468,16 @@ def agree(
     sent = torch.zeros(ROW, dtype=torch.int64)
     sent[: len(row)] = torch.tensor(row, dtype=torch.int64)
     gathered = torch.empty(size * ROW, dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, sent.to(device), group=group)
+    with waits.bounded(group, what):
+        dist.all_gather_single(gathered, sent.to(device), group=group)
     table = gathered.view(size, ROW).tolist()
     calls = [r[0] for r in table]
     if any(c != calls[0] for c in calls) or any(r[1] != _OK for r in table):
         same_call = all(c == calls[0] for c in calls)
         if not same_call:  # each rank says which call it is in
             message = what.encode()
-        texts = _gather_messages(message, [r[2] if same_call else -1 for r in table], group, device)
+        with waits.bounded(group, what):
+            texts = _gather_messages(message, [r[2] if same_call else -1 for r in table], group, device)
         if not same_call:
             raise errors.DisagreementError(
                 f"ranks are in different wf_mesh calls at once ({_by_value(ranks, texts)}); every rank of the "

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wf_mesh import waits
 from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
 from wf_mesh.faults import FaultSequence
 from wf_mesh.sizing import chunk_sizes
@@ -220,12 +221,13 @@ class _Hop:
             if t is not None and t.numel()
         ]
         self.requests = dist.batch_isend_irecv(ops) if ops else []
-        self.ops = ops
+        self.ops, self.group = ops, group
 
     def wait(self) -> tuple[Any, ...]:
         """The received tensors, in the order sent (None where None was sent)."""
-        for request in self.requests:
-            request.wait()
+        with waits.bounded(self.group, "cp_attention ring hop"):
+            for request in self.requests:
+                request.wait()
         recv = self.recv
         self.requests, self.ops, self.recv = [], [], ()
         return recv

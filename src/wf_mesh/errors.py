@@ -8,6 +8,7 @@ of :mod:`wf_mesh.legacy.errors`.
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveTimeoutError",
     "DegreeError",
     "DisagreementError",
     "IndivisibleSequenceError",
@@ -20,6 +21,11 @@ __all__ = [
 class DegreeError(ValueError, RuntimeError):
     """Parallel degrees that do not fit each other or the world size (``tp*cp*pp*dp != world_size``, a bad
     order, ``cp_ulysses`` not dividing cp, ...). A ValueError, and a RuntimeError as Megatron raises there."""
+
+
+class CollectiveTimeoutError(TimeoutError, RuntimeError):
+    """A wf_mesh collective waited the group's whole timeout for a peer that did not answer (a stuck or too
+    slow rank, not a killed one). A TimeoutError, and a RuntimeError as the backends raise there."""
 
 
 class DisagreementError(RuntimeError, ValueError):

@@ -33,18 +33,38 @@ about a second), a device error that breaks the communicator (NCCL aborts it), a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from wf_mesh import _compat, agreement
 
-__all__ = ["FaultSequence", "containment_enabled", "set_containment"]
+__all__ = ["FaultSequence", "containment_enabled", "injected_fault", "set_containment"]
 
 _contain: bool | None = None  # set while a mesh built with an explicit choice is alive
+_injected: dict[tuple[str, int], Exception] = {}  # (step name, 1-based place) -> what that step raises here
+
+
+@contextlib.contextmanager
+def injected_fault(where: str, at: int, exc: Exception) -> Iterator[None]:
+    """Within the block, this process's local step ``(where, at)`` of any contained sequence raises ``exc``
+    instead of running (e.g. ``injected_fault("ring hop", 2, MemoryError("simulated"))`` on one rank): for
+    testing how a server or a training loop handles a failure, as the tests do.
+
+    Args:
+        where: the step's name, as the messages say it ("ring hop", "ring backward hop", "bucket", ...).
+        at: its 1-based place in the sequence.
+        exc: the exception to raise there.
+    """
+    _injected[(where, at)] = exc
+    try:
+        yield
+    finally:
+        _injected.pop((where, at), None)
 
 
 def containment_enabled() -> bool:
@@ -106,6 +126,8 @@ class FaultSequence:
         """
         if self.fault is not None:
             return None
+        if _injected and (where[0], where[1]) in _injected:
+            fn, args = _raise, (_injected[where[0], where[1]],)
         if not self.active:
             return fn(*args)
         try:
@@ -135,6 +157,10 @@ class FaultSequence:
             if fault is not None:
                 raise verdict from fault[0]
             raise
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
 
 
 def _retold(exc: Exception, message: str) -> Exception:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from wf_mesh import _compat, agreement, faults
+from wf_mesh import _compat, agreement, faults, waits
 from wf_mesh.errors import NotInitializedError, StateError
 from wf_mesh.topology import AXES, AXIS_TABLE, DERIVED_AXES, FSDP_AXIS, SUB_AXES, ParallelDims, as_int, parse_axes
 
@@ -325,6 +325,7 @@ class ParallelMesh:
             reset_extensions(destroy_process_groups)
             agreement.set_checks(None)
             faults.set_containment(None)
+            waits.name_axes(None)
         _compat.release_meshes(self.root, self._meshes, destroy_groups=destroy_process_groups)
         self._axes = {}
         self._meshes = []
@@ -535,6 +536,7 @@ def init_parallel(
     _current = ParallelMesh(dims, root, axes, meshes, backend=backend, timeout=timeout or default_timeout, hsdp=hsdp)
     agreement.set_checks(checks)
     faults.set_containment(contain)
+    waits.name_axes({axis: _current.group(axis) for axis in _current.axes})
     return _current
 
 

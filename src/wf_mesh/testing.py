@@ -58,6 +58,7 @@ __all__ = [
     "dispatched",
     "get_cluster",
     "graph_breaks",
+    "injected_fault",
     "host_syncs",
     "process_group_counts",
     "run_distributed",
@@ -423,6 +424,18 @@ def process_group_counts() -> tuple[int, int]:
     from wf_mesh import _compat
 
     return len(_compat.process_groups()), _compat.new_group_calls()
+
+
+def injected_fault(where: str, at: int, exc: Exception) -> Any:
+    """A context manager in which this process's local step ``(where, at)`` of any contained sequence raises
+    ``exc`` (see :func:`wf_mesh.faults.injected_fault`), for testing failure handling.
+
+    Returns:
+        The context manager.
+    """
+    from wf_mesh import faults
+
+    return faults.injected_fault(where, at, exc)
 
 
 def destroy_subgroups() -> None:

@@ -1,0 +1,91 @@
+"""Bounded waits (wf_mesh.waits): a peer that stops answering without dying makes the waiting ranks raise
+CollectiveTimeoutError after the mesh's timeout, naming the call, the axis, the ranks and the timeout.
+
+Each case starts a cluster of its own (a timed-out gloo group is not reused) with a 3 s timeout; the stuck rank
+sleeps 6 s. The bound asserted on how long the waiting ranks took is a hang check, not a timing assertion.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import wf_mesh
+from wf_mesh import attention_ops
+from wf_mesh.errors import CollectiveTimeoutError
+from wf_mesh.testing import LocalCluster
+
+pytestmark = pytest.mark.slow  # a cluster start and a 3 s timeout per case
+TIMEOUT = datetime.timedelta(seconds=3)
+HANG = 60.0
+
+
+def run_fresh(world, fn, *args):
+    cluster = LocalCluster(world).start()
+    try:
+        return cluster.run(fn, *args, return_exceptions=True)
+    finally:
+        cluster.shutdown()
+
+
+def stuck_before(call):
+    """Rank 1 sleeps instead of joining ``call``; rank 0 runs it."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2), timeout=TIMEOUT)
+    if dist.get_rank() == 1:
+        time.sleep(2 * TIMEOUT.total_seconds())
+        return "slept"
+    start = time.monotonic()
+    try:
+        if call == "broadcast":
+            wf_mesh.broadcast(torch.ones(3), pm.group("cp"))
+        else:
+            q = torch.randn(1, 2, 4, 8)
+            wf_mesh.cp_attention(q, q, q, method="ring", mesh=pm, layout="bhsd")
+    except CollectiveTimeoutError as exc:
+        return str(exc), time.monotonic() - start, isinstance(exc, TimeoutError) and isinstance(exc, RuntimeError)
+    return "returned"
+
+
+@pytest.mark.parametrize("call", ["broadcast", "cp_attention"])
+def test_a_peer_that_never_joins_is_named_after_the_timeout(call):
+    rank0, rank1 = run_fresh(2, stuck_before, call)
+    assert rank1 == "slept"
+    message, took, both_types = rank0
+    assert message.startswith(f"{call}: no answer from a peer of the cp axis (ranks [0, 1]) within its timeout of 3 s")
+    assert "init_parallel(timeout=...)" in message and "Timed out" in message, message
+    assert both_types and took < HANG
+
+
+def stuck_mid_ring():
+    """4 ranks in a ring; rank 1 stalls in its first block step, after it posted its first hop."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=4), timeout=TIMEOUT)
+    if dist.get_rank() == 1:
+        block = attention_ops._forward_block
+
+        def slow(*args):
+            time.sleep(2 * TIMEOUT.total_seconds())
+            return block(*args)
+
+        attention_ops._forward_block = slow
+    q = torch.randn(1, 2, 4, 8)
+    start = time.monotonic()
+    try:
+        wf_mesh.cp_attention(q, q, q, method="ring", mesh=pm, layout="bhsd")
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "returned", "", time.monotonic() - start
+
+
+def test_a_peer_stuck_in_the_middle_of_a_ring_is_named_at_the_hop():
+    results = run_fresh(4, stuck_mid_ring)
+    for rank in (0, 2):  # rank 0 sends hop 2 to rank 1, rank 2 receives hop 2 from it: both wait for rank 1
+        kind, message, took = results[rank]
+        assert kind == "CollectiveTimeoutError", (rank, kind, message)
+        assert message.startswith("cp_attention ring hop: no answer from a peer of the cp axis (ranks [0, 1, 2, 3])")
+        assert took < HANG
+    for rank in (1, 3):  # they meet the broken ring later: an error, never a silent result or a hang
+        assert results[rank][0] != "returned" and results[rank][2] < HANG, results[rank]
