@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from wf_mesh import _compat, agreement
 from wf_mesh.ema import local_shard
+from wf_mesh.faults import FaultSequence
 from wf_mesh.mesh import ParallelMesh
 from wf_mesh.topology import as_int
 
@@ -198,17 +199,32 @@ def broadcast_dtensor_model_states(
     tensors = [local_shard(t).detach() for _, t in named]
     source = dist.get_group_rank(group, dist.get_rank()) == 0  # group rank 0 = the smallest global rank
     buckets = plan_buckets(tensors, bucket_bytes)
-    for bucket in buckets:
+    seq, n = FaultSequence(group, "broadcast_dtensor_model_states"), len(buckets)
+    for b, bucket in enumerate(buckets, 1):
         members = [tensors[i] for i in bucket]
         if len(members) == 1 and members[0].is_contiguous():
             dist.broadcast(members[0], group=group, group_src=0)
             continue
-        if source:
-            flat = torch.cat([t.reshape(-1) for t in members])
-        else:
-            flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
+        flat = seq.step(("bucket", b, n), _bucket_buffer, members)
+        if flat is None:  # contained failure: the peers still expect this bucket's message
+            flat = _bucket_buffer(members)
+        elif source:
+            seq.step(("bucket", b, n), _copy_in, members, flat)
         dist.broadcast(flat, group=group, group_src=0)
         if not source:
-            views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in members]), members)]
-            _compat.foreach_copy_(members, views)
+            seq.step(("bucket", b, n), _copy_out, members, flat)
+    seq.close()
     return len(buckets)
+
+
+def _bucket_buffer(members: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
+
+
+def _copy_in(members: list[torch.Tensor], flat: torch.Tensor) -> None:
+    torch.cat([t.reshape(-1) for t in members], out=flat)
+
+
+def _copy_out(members: list[torch.Tensor], flat: torch.Tensor) -> None:
+    views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in members]), members)]
+    _compat.foreach_copy_(members, views)
