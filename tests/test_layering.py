@@ -37,7 +37,17 @@ LAYERS = {
     4: ["legacy"],  # the legacy layer: legacy functions, lifecycle and state (never parallel_state)
     5: ["parallel_state"],  # Megatron's / MAGI-1's module face over legacy.model_parallel
     6: ["compat"],  # worldfoundry's module tree over legacy/* and parallel_state
-    7: ["viz", "testing", "process_tree", "cli", "demo", "__init__", "__main__"],  # surface
+    7: [
+        "viz",
+        "testing",
+        "process_tree",
+        "cli",
+        "demo",
+        "__init__",
+        "__main__",
+        "integrations",
+        "integrations.diffusers",
+    ],  # surface
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
 PURE = set(LAYERS[0])
