@@ -116,3 +116,13 @@ def test_functions_the_workers_cannot_import_are_refused_with_the_reason():
     script = "from wf_mesh.testing import run_distributed\ndef f():\n    return 1\nrun_distributed(2, f)\n"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "f is defined in an interactive __main__ (no file)" in proc.stderr
+
+
+def non_leaf_requiring_grad():
+    return torch.ones(2, requires_grad=True) * 2
+
+
+def test_a_result_the_pipe_cannot_carry_is_an_error_not_a_dead_worker():
+    with pytest.raises(TypeError, match="the result of non_leaf_requiring_grad is not picklable: Cowardly refusing"):
+        run_distributed(2, non_leaf_requiring_grad)
+    assert run_distributed(2, whoami) == [(0, 2, False), (1, 2, False)]  # the same workers carry on

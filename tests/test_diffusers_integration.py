@@ -11,6 +11,7 @@ the parameters' dtype, so they run in float32 (1e-5, abs + rel).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import wf_mesh
 from wf_mesh.errors import StateError
 from wf_mesh.testing import run_distributed
 
-from helpers import raised_everywhere, sample
+from helpers import sample
 
 diffusers = pytest.importorskip("diffusers")  # the `test` extra pins it: CI never skips
 
@@ -186,8 +187,8 @@ def _errors():
         try:
             fn()
             outcomes[name] = None
-        except Exception as exc:
-            outcomes[name] = exc
+        except Exception as exc:  # sent back as (type, message): an exception chained to model state may not pickle
+            outcomes[name] = (type(exc), str(exc))
 
     attempt("unknown", lambda: apply_context_parallel(torch.nn.Linear(2, 2), mesh=pm))
     attempt("method", lambda: apply_context_parallel(build("wan"), mesh=pm, method="zigzag"))
@@ -204,17 +205,19 @@ def _errors():
     # removed: the model is the unmodified one again
     plain = model(**kwargs, return_dict=False)[0]
     pm.destroy()
-    return outcomes, plain
+    return outcomes, plain.detach()
 
 
-@pytest.mark.skip(reason="unfinished: a worker dies before the outcomes come back (see the branch report)")
 def test_errors_on_every_rank():
     results = run_distributed(2, _errors)
     outcomes = [r[0] for r in results]
     names = "|".join(SUPPORTED_MODELS)
 
     def on_all(name, error, match):
-        raised_everywhere([o[name] for o in outcomes], error, match)
+        for rank, o in enumerate(outcomes):
+            assert o[name] is not None, f"rank {rank}: {name} did not raise"
+            kind, message = o[name]
+            assert issubclass(kind, error) and re.search(match, message), (rank, name, kind, message)
 
     on_all("unknown", TypeError, f"Linear is not a model it knows; supported: .*({names})")
     on_all("method", ValueError, "method='zigzag': use one of 'ring', 'ulysses'")

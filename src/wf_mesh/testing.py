@@ -44,6 +44,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -154,8 +155,8 @@ def _call(message: tuple) -> tuple:
         result = fn(*args, **kwargs)
     except BaseException as exc:
         return ("error", _picklable(exc), traceback.format_exc(), time.time())
-    try:
-        pickle.dumps(result)
+    try:  # the pickler the pipe uses: torch's reductions refuse e.g. a non-leaf tensor that requires grad
+        ForkingPickler.dumps(result)
     except Exception as exc:
         error = TypeError(f"the result of {getattr(fn, '__name__', fn)} is not picklable: {exc}")
         return ("error", error, "", time.time())
