@@ -54,11 +54,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import wf_mesh
+from wf_mesh import faults
 from wf_mesh.agreement import ROW
 from wf_mesh.attention import cp_attention, zigzag_shard
 from wf_mesh.testing import LocalCluster, c10d_ops, counting_backend, dispatched, host_syncs
 
 from _report import (  # benchmarks/ is on sys.path
+    at_most,
     below,
     equals,
     format_rows,
@@ -155,6 +157,20 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
     for method in meshes:
         assert torch.allclose(step(method), reference, atol=1e-4), method
     seconds = compare_trials({m: partial(step, m) for m in meshes}, iters, trials, timed_dist)
+
+    def contained(method):  # every rank switches alike, in the same interleaved order
+        faults.set_containment(True)
+        try:
+            return step(method)
+        finally:
+            faults.set_containment(None)
+
+    contain = compare_trials(
+        {f"{m}{side}": partial(contained if side else step, m) for m in meshes for side in ("", " contained")},
+        iters,
+        trials,
+        timed_dist,
+    )
     traffic = {}
     for method, mesh in meshes.items():
         q.grad = k.grad = v.grad = None
@@ -172,7 +188,7 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
             "kv_held_after_fwd": held,
             "inbound_peak_bwd": bwd.all_peak,
         }
-    return {"seconds": seconds, "traffic": traffic}
+    return {"seconds": seconds, "contain": contain, "traffic": traffic}
 
 
 class LiveBytes:
@@ -445,6 +461,8 @@ def main() -> None:
                 prefix = f"cp {n} {mode}: {method}"
                 if method != "allgather":
                     row(f"{prefix} / allgather, fwd+bwd time", per_trial(samples, base))
+                on, off = run["contain"][f"{method} contained"], run["contain"][method]
+                row(f"{prefix}: contain_faults=True / off, fwd+bwd time", per_trial(on, off), at_most(1.02))
                 row(f"{prefix} / single-process SDPA, fwd+bwd time", [x / sdpa for x in samples])
                 if mode == "full":  # bytes and memory are the same with causal
                     row(f"{prefix}: bytes sent per rank / theory", sent / sent_theory, equals(1.0, "= 1"))

@@ -17,6 +17,7 @@ default group's, torch's 30 minutes for gloo and 10 for NCCL unless ``init_proce
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Mapping
 from types import TracebackType
 
@@ -40,7 +41,7 @@ def name_axes(groups: Mapping[str, dist.ProcessGroup] | None) -> None:
 
 
 def _described(group: dist.ProcessGroup | None) -> str:
-    group = group or _compat.resolve_group(None)
+    group = group if group is not None else typing.cast(dist.ProcessGroup, dist.group.WORLD)
     axes = _axes.get(group.group_name)
     if axes is None:
         desc = getattr(group, "group_desc", "")

@@ -159,7 +159,7 @@ class CogVideoXCPAttnProcessor(_CPProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(video output shard, text output)`` (as ``CogVideoXAttnProcessor2_0``)."""
-        from diffusers.models.embeddings import apply_rotary_emb
+        apply_rotary_emb = _rotary()
 
         if attention_mask is not None:
             raise _unsupported("CogVideoXCPAttnProcessor", "an attention mask")
@@ -195,7 +195,7 @@ class HunyuanVideoCPAttnProcessor(_CPProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(video output shard, text output)`` (as ``HunyuanVideoAttnProcessor2_0``)."""
-        from diffusers.models.embeddings import apply_rotary_emb
+        apply_rotary_emb = _rotary()
 
         if encoder_hidden_states is None:
             raise _unsupported("HunyuanVideoCPAttnProcessor", "attention without text tokens")
@@ -252,13 +252,29 @@ def _cp_processor_names(model_name: str, names: list[str]) -> list[str]:
     return [n for n in names if n.startswith("transformer_blocks.")]
 
 
+def _rotary() -> Any:
+    """The ``apply_rotary_emb`` of diffusers (typed Any: its annotation says a 1-tuple where it takes ``(cos, sin)``)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb
+
+
+def _config_owner(model: nn.Module) -> Any:
+    """``model`` as diffusers' ModelMixin (its ``config`` and ``attn_processors`` are not nn.Module's)."""
+    return model
+
+
+def _config(model: nn.Module) -> Any:
+    return _config_owner(model).config
+
+
 def _heads(model: nn.Module) -> int:
-    return int(model.config.num_attention_heads)
+    return int(_config(model).num_attention_heads)
 
 
 def _refusal(model: nn.Module, model_name: str) -> str | None:
     """Why this model's configuration cannot be made exact (None: it can)."""
-    if model_name == "HunyuanVideoTransformer3DModel" and model.config.get("image_condition_type") == "token_replace":
+    if model_name == "HunyuanVideoTransformer3DModel" and _config(model).get("image_condition_type") == "token_replace":
         return "HunyuanVideo's image_condition_type='token_replace' (its first-frame tokens are modulated apart)"
     if getattr(model, "gradient_checkpointing", False):
         return "gradient checkpointing (enable it after apply_context_parallel is not supported either)"
@@ -318,7 +334,7 @@ def apply_context_parallel(model: nn.Module, *, mesh: Any = None, method: str = 
     agreed = agreement.agree(cp.get_group(), facts, what="apply_context_parallel")
     for name in ("model", "method", "heads"):
         agreed.require_same(name)
-    originals = dict(model.attn_processors)  # type: ignore[attr-defined]
+    originals = dict(_config_owner(model).attn_processors)
     state = _CPState(model_name, mesh, cp, method, originals, {})
     processor = _PROCESSORS[model_name](state)
     state.installed = dict.fromkeys(_cp_processor_names(model_name, list(originals)), processor)
@@ -367,7 +383,7 @@ def _install_hooks(model: Any, state: _CPState) -> None:
 def _check_hook(state: _CPState) -> Any:
     def hook(model: Any, args: tuple, kwargs: dict) -> None:
         def facts() -> agreement.Facts:
-            current = model.attn_processors
+            current = _config_owner(model).attn_processors
             replaced = [n for n, p in state.installed.items() if current.get(n) is not p]
             if replaced:
                 raise StateError(
