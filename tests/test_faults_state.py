@@ -63,3 +63,39 @@ def test_a_failing_bucket_raises_on_every_rank_and_the_next_broadcast_is_exact(r
         assert expected in message, got
         assert took < HANG_BOUND_S, got
         assert n == BUCKETS and error == 0.0, got
+
+
+def legacy_contained(failing_rank: int):
+    """The legacy face (``worldfoundry``'s ``broadcast_dtensor_model_states``) over 4 ranks, bucket 2 failing
+    on one rank via :func:`wf_mesh.testing.injected_fault`."""
+    from wf_mesh.compat.worldfoundry.device_mesh_collectives import broadcast_dtensor_model_states
+    from wf_mesh.testing import injected_fault
+
+    faults.set_containment(True)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("replicate",))
+    net = model(dist.get_rank())
+    start = time.monotonic()
+    try:
+        if dist.get_rank() == failing_rank:
+            with injected_fault("bucket", 2, MemoryError("simulated")):
+                broadcast_dtensor_model_states(net, mesh, bucket_bytes=80)
+        else:
+            broadcast_dtensor_model_states(net, mesh, bucket_bytes=80)
+        caught = None
+    except Exception as exc:
+        caught = exc
+    took = time.monotonic() - start
+    broadcast_dtensor_model_states(net, mesh, bucket_bytes=80)
+    ref = model(0)
+    error = max((a - b).abs().max().item() for a, b in zip(net.state_dict().values(), ref.state_dict().values()))
+    faults.set_containment(None)
+    return type(caught).__name__, str(caught), took, error
+
+
+@pytest.mark.parametrize("failing_rank", [0, 3])
+def test_the_legacy_broadcast_is_contained_on_four_ranks(failing_rank):
+    for rank, (kind, message, took, error) in enumerate(run_distributed(4, legacy_contained, failing_rank)):
+        assert kind == "MemoryError", (rank, kind, message)
+        want = f"broadcast_dtensor_model_states: rank {failing_rank}: failed at bucket 2 of {BUCKETS}: MemoryError: "
+        assert message == want + "simulated (raised on every rank of the group [0, 1, 2, 3])", (rank, message)
+        assert took < HANG_BOUND_S and error == 0.0, (rank, took, error)
