@@ -31,6 +31,7 @@ def serve_twenty():
     return answers, seen
 
 
+@pytest.mark.slow  # 20 requests on 4 ranks: about 10 s
 def test_twenty_requests_two_failing_mid_ring():
     per_rank = run_distributed(4, serve_twenty)
     for rank, (answers, seen) in enumerate(per_rank):
