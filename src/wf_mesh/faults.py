@@ -100,13 +100,14 @@ class FaultSequence:
     With containment off, ``step`` just calls ``fn`` and ``close`` does nothing.
     """
 
-    __slots__ = ("active", "fault", "group", "what")
+    __slots__ = ("active", "fault", "group", "skipping", "what")
 
     def __init__(self, group: dist.ProcessGroup | str | None, what: str) -> None:
         self.group = group
         self.what = what
         self.active = containment_enabled()
         self.fault: tuple[Exception, tuple[str, int, int]] | None = None
+        self.skipping = False  # another rank failed and told this one (a pipeline's failed header)
 
     @property
     def failed(self) -> bool:
@@ -124,7 +125,7 @@ class FaultSequence:
         Returns:
             ``fn(*args)``; None when this or an earlier step failed.
         """
-        if self.fault is not None:
+        if self.fault is not None or self.skipping:
             return None
         if _injected and (where[0], where[1]) in _injected:
             fn, args = _raise, (_injected[where[0], where[1]],)
@@ -136,13 +137,22 @@ class FaultSequence:
             self.fault = (exc, where)
             return None
 
+    def skip(self) -> None:
+        """Skip this rank's later local steps because a peer failed (its verdict comes at :meth:`close`)."""
+        self.skipping = True
+
+    def record(self, exc: Exception, where: tuple[str, int, int]) -> None:
+        """Record ``exc`` as this rank's failure at ``where`` (for an exception raised outside :meth:`step`)."""
+        if self.fault is None:
+            self.fault = (exc, where)
+
     def close(self) -> None:
         """End the sequence: with containment on, one verdict exchange; if any rank failed, every rank raises
         the first failing rank's exception type, naming each failing rank, where it failed and its error (the
         failing rank's own exception chained as the cause)."""
         if not self.active:
             return
-        fault, self.fault = self.fault, None
+        fault, self.fault, self.skipping = self.fault, None, False
 
         def facts() -> _Verdict:
             if fault is not None:

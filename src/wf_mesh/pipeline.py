@@ -42,15 +42,17 @@ may be waited any number of times; gloo's own work, waited a second time, blocks
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from wf_mesh import agreement
+from wf_mesh.faults import FaultSequence
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
 from wf_mesh.topology import as_int
 
@@ -61,6 +63,7 @@ __all__ = ["P2PWork", "PendingRecv", "PipelineP2P", "build_pipeline_stage"]
 
 Peer = Literal["next", "prev"]
 _HEADER = "pipeline payload"  # the header's call name: a row of any other origin is not a header
+_FAILED = "pipeline failed step"  # sent instead of a header and payload by a stage whose contained step failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,11 @@ class _PayloadHeader(agreement.Facts):
 
     def __str__(self) -> str:
         return f"shape {self.shape} dtype {self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FailedStep(agreement.Facts):
+    """A stage upstream failed in a contained sequence: no payload follows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +195,10 @@ class _Headers:
         header_work.wait()
         if self.unsettled.get(pending._src) is pending:
             del self.unsettled[pending._src]
+        if agreement.read_header(header, _FAILED) is not None:  # no payload follows; the buffer stays unfilled
+            self.link._peer_failed(pending._src)
+            pending.work = header_work
+            return
         target, pending._error = self.verify(header, pending.tensor, pending._src)
         pending.work = dist.irecv(target, group=self.link.group, group_src=pending._src)
 
@@ -248,6 +260,7 @@ class PipelineP2P:
         self.device = self.mesh.device
         self._pending_sends: deque[dist.Work] = deque()
         self._headers = _Headers(self) if self.checked else None
+        self._sequence: FaultSequence | None = None
         if self.num_stages > 1:  # both ends of every link must speak the same protocol
             agreed = agreement.agree(
                 self.group, lambda: _LinkFacts(self.checked), what=type(self).__name__, required=True
@@ -271,21 +284,74 @@ class PipelineP2P:
         )
 
     # ---- sends --------------------------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, *, peer: Peer = "next") -> P2PWork:
+    def send(self, tensor: torch.Tensor | None, *, peer: Peer = "next") -> P2PWork:
         """Start sending ``tensor`` to the ``"next"`` (default) or ``"prev"`` stage.
 
         No copy is made when ``tensor`` is contiguous: do not modify it until the handle's ``wait()`` returns.
+        None only inside :meth:`contained` after a failed or skipped step: a failed-step header goes instead.
 
         Returns:
             The send's handle (it may be dropped: the link keeps the work alive).
         """
         group_dst = self._peer(peer, "send")
+        seq = self._sequence
+        if tensor is None and seq is not None and (seq.failed or seq.skipping) and self._headers is not None:
+            failed = agreement.header_row(_FAILED, _FailedStep(), self.device)  # instead of header and payload
+            work = _posted(dist.isend(failed, group=self.group, group_dst=group_dst))
+            self._track(work)
+            return P2PWork(work)
         tensor = self._check_tensor(tensor, "send").contiguous()
         if self._headers is not None:
             self._track(_posted(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst)))
         work = _posted(dist.isend(tensor, group=self.group, group_dst=group_dst))
         self._track(work)
         return P2PWork(work)
+
+    @contextlib.contextmanager
+    def contained(self, what: str = "pipeline step") -> Iterator[FaultSequence]:
+        """A contained sequence of this link's transfers and local steps (one microbatch's pass, say).
+
+        With containment on (:mod:`wf_mesh.faults`), a stage whose step fails (run it as ``seq.step((name, i, n),
+        fn, *args)``; it returns None then) sends a failed-step header instead of its output (``send(None)``),
+        stages receiving it skip their steps and pass it on, and at the end of the block every stage raises
+        the failing stage's error; the link stays usable. Needs a checked link::
+
+            with link.contained("microbatch") as seq:
+                x = inputs if link.is_first else link.recv(shape, dtype)
+                y = seq.step(("stage", link.stage + 1, link.num_stages), stage, x)
+                if not link.is_last:
+                    link.send(y)
+
+        Yields:
+            The sequence's :class:`~wf_mesh.faults.FaultSequence`.
+
+        Raises:
+            ValueError: an unchecked link (no header can say that a stage failed).
+            RuntimeError: a sequence is already open on this link.
+        """
+        if self._headers is None:
+            raise ValueError(f"{type(self).__name__}.contained needs a checked link (checked=True)")
+        if self._sequence is not None:
+            raise RuntimeError(f"{type(self).__name__}.contained: a contained sequence is already open on this link")
+        seq = self._sequence = FaultSequence(self.group, what)
+        try:
+            try:
+                yield seq
+            except Exception as exc:  # outside a step: still told to every stage at the close
+                if not seq.active:
+                    raise
+                seq.record(exc, (what, self.stage + 1, self.num_stages))
+        finally:
+            self._sequence = None
+        seq.close()
+
+    def _peer_failed(self, src: int) -> None:
+        if self._sequence is None or not self._sequence.active:
+            raise RuntimeError(
+                f"pp stage {self.stage}: pp stage {src} (global rank {self.ranks[src]}) failed in a contained "
+                "sequence but this stage is not in one: every stage must use PipelineP2P.contained alike"
+            )
+        self._sequence.skip()
 
     def wait_sends(self) -> None:
         """Wait until every send this object still tracks has completed."""
