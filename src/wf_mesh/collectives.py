@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from wf_mesh import agreement
 from wf_mesh.errors import ShapeMismatchError
+from wf_mesh.faults import FaultSequence
 
 __all__ = ["broadcast"]
 
@@ -287,15 +288,27 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     dist.broadcast(data, group=process_group, group_src=0)
     # sent only when there are bytes to send, decided by the source's facts alike on every rank (empty tensors
     # in the value take none)
+    # contained (wf_mesh.faults): the source's concatenation and a receiver's decode are local steps
+    seq = FaultSequence(process_group, "broadcast")
     payload = torch.empty(0, dtype=torch.uint8, device=device)
     if src.tensor_bytes:
         if is_source:
-            payload = torch.cat([bytes_of(t.detach()).to(device) for t in mine.tensors])
+            payload = seq.step(("tensor payload", 1, 1), _payload_of, mine.tensors, device)
+            if payload is None:  # the receivers still expect these bytes
+                payload = torch.zeros(src.tensor_bytes, dtype=torch.uint8, device=device)
         else:
             payload = torch.empty(src.tensor_bytes, dtype=torch.uint8, device=device)
         dist.broadcast(payload, group=process_group, group_src=0)
-    if is_source:
-        return item
+    value = item if is_source else seq.step(("decode", 1, 1), _decoded, data, payload)
+    seq.close()
+    return value
+
+
+def _payload_of(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat([bytes_of(t.detach()).to(device) for t in tensors])
+
+
+def _decoded(data: torch.Tensor, payload: torch.Tensor) -> Any:
     raw = data.cpu().numpy().tobytes()
     received, offset = [], 0
     for dtype, shape in _tensor_specs(raw):
