@@ -84,7 +84,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from wf_mesh import _compat
+from wf_mesh import _compat, waits
 from wf_mesh.agreement import Agreed, Facts, agree, checks_enabled, fact
 from wf_mesh.attention_kernels import Kernel, choose_kernel
 from wf_mesh.attention_ops import (
@@ -676,7 +676,8 @@ def zigzag_gather(local: torch.Tensor, seq_dim: int, *, mesh: MeshArg = None, se
     send = moved.new_zeros(longest, *moved.shape[1:])
     send[: moved.shape[0]] = moved
     recv = send.new_empty(n * longest, *moved.shape[1:])
-    dist.all_gather_single(recv, send, group=cp.get_group())
+    with waits.bounded(cp.get_group(), "cp_attention"):
+        dist.all_gather_single(recv, send, group=cp.get_group())
     placed = sorted(((r, s) for r, segments in enumerate(layout) for s in segments), key=lambda rs: rs[1].start)
     pieces = [recv[r * longest + s.offset : r * longest + s.offset + s.length] for r, s in placed]
     return torch.cat(pieces, dim=0).movedim(0, dim)

@@ -357,7 +357,8 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int])
     u = len(lengths)
     send = x.reshape(b, u, h // u, s, d).permute(1, 3, 0, 2, 4).contiguous()
     recv = x.new_empty(sum(lengths), b, h // u, d)
-    dist.all_to_all_single(recv, send.view(u * s, b, h // u, d), lengths, [s] * u, group=group)
+    with waits.bounded(group, "cp_attention"):
+        dist.all_to_all_single(recv, send.view(u * s, b, h // u, d), lengths, [s] * u, group=group)
     return recv.permute(1, 2, 0, 3)
 
 
@@ -371,7 +372,8 @@ def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, lengths: list[int],
     b, hu, _, d = y.shape
     u, s = len(lengths), lengths[group.rank()]
     recv = y.new_empty(u * s, b, hu, d)
-    dist.all_to_all_single(recv, y.permute(2, 0, 1, 3).contiguous(), [s] * u, lengths, group=group)
+    with waits.bounded(group, "cp_attention"):
+        dist.all_to_all_single(recv, y.permute(2, 0, 1, 3).contiguous(), [s] * u, lengths, group=group)
     recv = recv.view(u, s, b, hu, d)
     if seq_major:
         return recv.permute(2, 1, 0, 3, 4).reshape(b, s, u * hu, d).contiguous().transpose(1, 2)
@@ -412,7 +414,8 @@ def gather_mask(pad: torch.Tensor, group: dist.ProcessGroup, lengths: list[int])
     """Every rank's ``(B, S_r)`` mask concatenated along the sequence: one all-to-all (exact uneven sizes)."""
     u = len(lengths)
     recv = pad.new_empty(sum(lengths), pad.shape[0])
-    dist.all_to_all_single(recv, pad.t().repeat(u, 1), lengths, [pad.shape[1]] * u, group=group)
+    with waits.bounded(group, "cp_attention"):
+        dist.all_to_all_single(recv, pad.t().repeat(u, 1), lengths, [pad.shape[1]] * u, group=group)
     return recv.t()
 
 
@@ -429,7 +432,8 @@ class GatherKV(torch.autograd.Function):
         send[:s, 0] = k.permute(2, 0, 1, 3)
         send[:s, 1] = v.permute(2, 0, 1, 3)
         recv = k.new_empty(group.size() * longest, 2, b, h, d)
-        dist.all_gather_single(recv, send, group=group)
+        with waits.bounded(group, "cp_attention"):
+            dist.all_gather_single(recv, send, group=group)
         ctx.group, ctx.local = group, s
         return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3)
 
@@ -438,7 +442,8 @@ class GatherKV(torch.autograd.Function):
         """This rank's dk, dv: the gathered gradients reduce-scattered back to their owners."""
         grads = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1)
         recv = grads.new_empty(grads.shape[0] // ctx.group.size(), *grads.shape[1:])
-        dist.reduce_scatter_single(recv, grads, group=ctx.group)
+        with waits.bounded(ctx.group, "cp_attention"):
+            dist.reduce_scatter_single(recv, grads, group=ctx.group)
         recv = recv[: ctx.local]
         return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3), None, None
 
@@ -448,7 +453,8 @@ def gather_mask_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int
     send = pad.new_ones(longest, pad.shape[0])
     send[: pad.shape[1]] = pad.t()
     recv = pad.new_empty(group.size() * longest, pad.shape[0])
-    dist.all_gather_single(recv, send, group=group)
+    with waits.bounded(group, "cp_attention"):
+        dist.all_gather_single(recv, send, group=group)
     return recv.t()
 
 
@@ -600,7 +606,8 @@ def gather_kv_op(k: torch.Tensor, v: torch.Tensor, group: str, longest: int) -> 
     send[:s, 1] = v.permute(2, 0, 1, 3)
     pg = _group(group)
     recv = k.new_empty(pg.size() * longest, 2, b, h, d)
-    dist.all_gather_single(recv, send, group=pg)
+    with waits.bounded(pg, "cp_attention"):
+        dist.all_gather_single(recv, send, group=pg)
     return recv
 
 
@@ -615,7 +622,8 @@ def scatter_kv_grad_op(grad: torch.Tensor, group: str) -> torch.Tensor:
     """:class:`GatherKV`'s backward: the reduce-scatter of the gathered buffer's gradient."""
     pg = _group(group)
     recv = grad.new_empty(grad.shape[0] // pg.size(), *grad.shape[1:])
-    dist.reduce_scatter_single(recv, grad.contiguous(), group=pg)
+    with waits.bounded(pg, "cp_attention"):
+        dist.reduce_scatter_single(recv, grad.contiguous(), group=pg)
     return recv
 
 

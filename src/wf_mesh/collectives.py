@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from wf_mesh import agreement
+from wf_mesh import agreement, waits
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.faults import FaultSequence
 
@@ -285,7 +285,8 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
         if is_source
         else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
     )
-    dist.broadcast(data, group=process_group, group_src=0)
+    with waits.bounded(process_group, "broadcast"):
+        dist.broadcast(data, group=process_group, group_src=0)
     # sent only when there are bytes to send, decided by the source's facts alike on every rank (empty tensors
     # in the value take none)
     # contained (wf_mesh.faults): the source's concatenation and a receiver's decode are local steps
@@ -298,7 +299,8 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
                 payload = torch.zeros(src.tensor_bytes, dtype=torch.uint8, device=device)
         else:
             payload = torch.empty(src.tensor_bytes, dtype=torch.uint8, device=device)
-        dist.broadcast(payload, group=process_group, group_src=0)
+        with waits.bounded(process_group, "broadcast"):
+            dist.broadcast(payload, group=process_group, group_src=0)
     value = item if is_source else seq.step(("decode", 1, 1), _decoded, data, payload)
     seq.close()
     return value
@@ -342,7 +344,8 @@ def _broadcast_tensor(
         else torch.empty(torch.Size(src.shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
     )
     if data.numel():
-        dist.broadcast(data, group=group, group_src=0)
+        with waits.bounded(group, "broadcast"):
+            dist.broadcast(data, group=group, group_src=0)
     return item if is_source else tensor_from_bytes(data, dtype, src.shape)
 
 
@@ -364,5 +367,6 @@ def _broadcast_pickled(
             stacklevel=3,
         )
     objects = [item if is_source else None]
-    dist.broadcast_object_list(objects, group=group, group_src=0)
+    with waits.bounded(group, "broadcast"):
+        dist.broadcast_object_list(objects, group=group, group_src=0)
     return item if is_source else objects[0]

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from wf_mesh import _compat, agreement
+from wf_mesh import _compat, agreement, waits
 from wf_mesh.ema import local_shard
 from wf_mesh.faults import FaultSequence
 from wf_mesh.mesh import ParallelMesh
@@ -203,14 +203,16 @@ def broadcast_dtensor_model_states(
     for b, bucket in enumerate(buckets, 1):
         members = [tensors[i] for i in bucket]
         if len(members) == 1 and members[0].is_contiguous():
-            dist.broadcast(members[0], group=group, group_src=0)
+            with waits.bounded(group, "broadcast_dtensor_model_states"):
+                dist.broadcast(members[0], group=group, group_src=0)
             continue
         flat = seq.step(("bucket", b, n), _bucket_buffer, members)
         if flat is None:  # contained failure: the peers still expect this bucket's message
             flat = _bucket_buffer(members)
         elif source:
             seq.step(("bucket", b, n), _copy_in, members, flat)
-        dist.broadcast(flat, group=group, group_src=0)
+        with waits.bounded(group, "broadcast_dtensor_model_states"):
+            dist.broadcast(flat, group=group, group_src=0)
         if not source:
             seq.step(("bucket", b, n), _copy_out, members, flat)
     seq.close()
