@@ -53,21 +53,28 @@ def execute(path: Path = NOTEBOOK) -> nbformat.NotebookNode:
 
 
 def outputs(nb: nbformat.NotebookNode) -> list[list[str]]:
-    """Per code cell, its outputs as masked text (text/plain and text/html of rich outputs, stream text)."""
+    """Per code cell, its outputs as masked text (text/plain and text/html of rich outputs, stream text; the
+    consecutive chunks of one stream joined, since how a kernel chunks stdout depends on timing)."""
     cells = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
         shown = []
+        last_was_stream = False
         for out in cell.get("outputs", []):
-            if out.output_type == "stream":
-                shown.append(f"[{out.name}]\n{out.text}")
+            if out.output_type == "stream":  # one print may arrive in several chunks: join a stream's run
+                head = f"[{out.name}]\n"
+                if shown and shown[-1].startswith(head) and last_was_stream:
+                    shown[-1] += out.text
+                else:
+                    shown.append(head + out.text)
             elif out.output_type in ("execute_result", "display_data"):
                 for mime in ("text/plain", "text/html"):
                     if mime in out.get("data", {}):
                         shown.append(f"[{mime}]\n{out.data[mime]}")
             else:  # error
                 shown.append(f"[{out.output_type}] {out.get('ename')}: {out.get('evalue')}")
+            last_was_stream = out.output_type == "stream"
         cells.append([mask(s) for s in shown])
     return cells
 
