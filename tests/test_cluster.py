@@ -58,6 +58,7 @@ def test_state_is_cleaned_between_runs():
     assert run_distributed(2, leave_state_behind) == first  # no process group piles up from run to run
 
 
+@pytest.mark.slow  # waits out a 1 s run timeout and restarts the pool
 def test_hang_times_out_and_cluster_restarts():
     cluster = LocalCluster(2, timeout=60)
     try:
@@ -82,6 +83,7 @@ def raise_then_peer_stuck():
     dist.barrier()  # rank 1 waits for rank 0 in a collective that never comes
 
 
+@pytest.mark.slow  # waits out the 5 s grace period
 def test_first_failing_rank_is_reraised_while_its_peer_is_stuck():
     with pytest.raises(KeyError, match="rank 0 found no such key") as info:
         run_distributed(2, raise_then_peer_stuck)
@@ -89,6 +91,7 @@ def test_first_failing_rank_is_reraised_while_its_peer_is_stuck():
     assert run_distributed(2, whoami) == [(0, 2, False), (1, 2, False)]  # a fresh cluster
 
 
+@pytest.mark.slow  # waits out the 5 s grace period
 def test_return_exceptions_gives_every_ranks_outcome():
     out = run_distributed(4, raise_on, 2, return_exceptions=True)
     assert out[:2] == ["fine", "fine"] and out[3] == "fine"
@@ -110,6 +113,7 @@ def test_rng_is_reset_before_every_function():
     assert run_distributed(2, draw) == first and first[0] == first[1]
 
 
+@pytest.mark.slow  # starts a Python process of its own
 def test_functions_the_workers_cannot_import_are_refused_with_the_reason():
     with pytest.raises(TypeError, match="cannot be sent to the workers .*define them at module level"):
         run_distributed(2, lambda: 1)

@@ -61,7 +61,15 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("world_size, config", CONFIGS, ids=[f"w{w}-{c}" for w, c in CONFIGS])
+# one 8-process world in the fast lane, the other seven in the slow lane (0.5 s each on 2 cores)
+FIRST_W8 = next(i for i, (w, _) in enumerate(CONFIGS) if w == 8)
+MESH_CASES = [
+    pytest.param(w, c, id=f"w{w}-{c}", marks=[pytest.mark.slow] * (w == 8 and i != FIRST_W8))
+    for i, (w, c) in enumerate(CONFIGS)
+]
+
+
+@pytest.mark.parametrize("world_size, config", MESH_CASES)
 def test_real_mesh_equals_plan(world_size, config):
     tp, cp, pp, order, cfg = (*config, 1)[:5]
     plan = wf_mesh.ParallelDims(tp=tp, cp=cp, pp=pp, order=order, cfg=cfg).resolve(world_size)
@@ -260,6 +268,7 @@ def timeout_then_recover():
     return error, t.item()
 
 
+@pytest.mark.slow  # waits out a 2 s subgroup timeout
 def test_subgroup_timeout_raises_and_destroy_init_recovers():
     (error, total), (none, total1) = run_distributed(2, timeout_then_recover)
     assert error is not None and "Timed out waiting 2000ms" in error  # the subgroup's 2 s, not the default 30 min
