@@ -276,6 +276,10 @@ def gather_sequence(
     (``WF_MESH_CHECKS=0``), a plain ``x`` of an uneven split needs ``seq_len`` (the default is then local
     length x cp size).
 
+    Contained (:mod:`wf_mesh.faults`, when on): a rank whose copy-in, copy-out or backward local step raises
+    makes every rank of the cp group raise its error, and the next call is exact. Under ``torch.compile`` the
+    data path is DTensor's ``full_tensor`` (what dynamo traces), not contained.
+
     Returns:
         The full tensor, a plain tensor on every rank.
 
@@ -285,6 +289,7 @@ def gather_sequence(
         DisagreementError: ranks that disagree on ``seq_dim``, ``seq_len``, ``grad`` or DTensor-or-plain.
         IndexError, TypeError, ValueError: a bad argument on any rank (ValueError: ``seq_dim`` contradicts the
             DTensor's placement or the shard's record).
+        CollectiveTimeoutError: a peer did not answer within the cp group's timeout.
     """
     group_mesh = cp_mesh(mesh if mesh is not None or not isinstance(x, DTensor) else x.device_mesh)
     agreed = agreement.agree(
