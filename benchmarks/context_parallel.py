@@ -6,7 +6,8 @@ Measures, in one run on local gloo processes (CPU):
    path allocating its gather buffer per call like the DTensor path ("raw") and reusing one buffer
    ("raw reused": on CPU, glibc maps and unmaps such large blocks on every allocation, so reuse saves the page
    faults; CUDA's caching allocator makes both the same); also the legacy ``cat_outputs_cp`` (which first
-   agrees on shapes with a tiny header all-gather);
+   agrees on shapes with a tiny header all-gather) and the gather with fault containment on (one closing
+   verdict all-gather more, :mod:`wf_mesh.faults`);
 2. per-call overhead on a small (2, 8, 16) tensor: the same three paths, in microseconds per call, the DTensor
    gather with the agreement exchange off (its cost), and ``wf_mesh.broadcast`` vs a raw ``dist.broadcast``;
 3. ``broadcast_split_tensor`` (a scatter: each receiver gets its shard) vs broadcast-then-split: bytes each
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh import agreement
+from wf_mesh import agreement, faults
 from wf_mesh.testing import LocalCluster
 from wf_mesh.viz import format_table
 
@@ -68,6 +69,13 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, l
         finally:
             agreement.set_checks(True)
 
+    def contained():  # the same call with fault containment on: one closing verdict all-gather more
+        faults.set_containment(True)
+        try:
+            return wf_mesh.gather_sequence(dt)
+        finally:
+            faults.set_containment(None)
+
     def raw_broadcast():
         dist.broadcast(local, group=group, group_src=0)
         return local
@@ -79,6 +87,7 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, l
             "raw_reused": raw_reused,
             "wf_mesh": lambda: wf_mesh.gather_sequence(dt),
             "wf_mesh_unchecked": unchecked,
+            "wf_mesh_contained": contained,
             "legacy": lambda: wf_mesh.cat_outputs_cp(local, 1, group),
             "raw_broadcast": raw_broadcast,
             "broadcast": lambda: wf_mesh.broadcast(local, group),
@@ -125,6 +134,7 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
         row(f"gather cp {cp}: wf_mesh DTensor / raw all-gather", per_trial(g["wf_mesh"], g["raw"]), at_most(1.10))
         row(f"gather cp {cp}: wf_mesh DTensor, checks off / raw", per_trial(g["wf_mesh_unchecked"], g["raw"]))
         row(f"gather cp {cp}: legacy cat_outputs_cp / raw", per_trial(g["legacy"], g["raw"]))
+        row(f"gather cp {cp}: contain_faults on / off", per_trial(g["wf_mesh_contained"], g["wf_mesh"]))
         row(f"gather cp {cp}: wf_mesh / raw reusing its gather buffer", per_trial(g["wf_mesh"], g["raw_reused"]))
     for cp, s in results["small"].items():
         overhead = (med(s["wf_mesh"]) - med(s["raw"])) * 1e6
@@ -133,6 +143,11 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
         row(
             f"small gather cp {cp}: checks on / off (agreement {agreement_us:+.0f} us/call)",
             per_trial(s["wf_mesh"], s["wf_mesh_unchecked"]),
+        )
+        close_us = (med(s["wf_mesh_contained"]) - med(s["wf_mesh"])) * 1e6
+        row(
+            f"small gather cp {cp}: contain_faults on / off (close {close_us:+.0f} us/call)",
+            per_trial(s["wf_mesh_contained"], s["wf_mesh"]),
         )
         overhead = (med(s["broadcast"]) - med(s["raw_broadcast"])) * 1e6
         row(

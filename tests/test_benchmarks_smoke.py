@@ -163,6 +163,7 @@ EXPECTED = {
             f"gather cp {cp}: wf_mesh DTensor / raw all-gather",
             f"gather cp {cp}: wf_mesh DTensor, checks off / raw",
             f"gather cp {cp}: legacy cat_outputs_cp / raw",
+            f"gather cp {cp}: contain_faults on / off",
             f"gather cp {cp}: wf_mesh / raw reusing its gather buffer",
         )
     ]
@@ -172,6 +173,7 @@ EXPECTED = {
         for what in (
             f"gather cp {cp}: wf_mesh / raw",
             f"gather cp {cp}: checks on / off (agreement",
+            f"gather cp {cp}: contain_faults on / off (close",
             f"broadcast cp {cp}: wf_mesh.broadcast / dist.broadcast",
         )
     ]

@@ -89,3 +89,69 @@ def test_a_peer_stuck_in_the_middle_of_a_ring_is_named_at_the_hop():
         assert took < HANG
     for rank in (1, 3):  # they meet the broken ring later: an error, never a silent result or a hang
         assert results[rank][0] != "returned" and results[rank][2] < HANG, results[rank]
+
+
+def stage_whose_peer_never_answers(op):
+    """pp 2: stage 1 builds its link, then sleeps instead of answering stage 0's ``op``."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(pp=2), timeout=TIMEOUT)
+    link = wf_mesh.PipelineP2P(pm)
+    if dist.get_rank() == 1:
+        time.sleep(2 * TIMEOUT.total_seconds())
+        return "slept"
+    start = time.monotonic()
+    try:
+        if op == "receive":
+            link.recv((4,), torch.float32)
+        elif op == "send":
+            link.send(torch.ones(4))
+            link.wait_sends()
+        else:
+            link.exchange(send_next=torch.ones(4), recv_prev=((4,), torch.float32))
+    except CollectiveTimeoutError as exc:
+        return str(exc), time.monotonic() - start
+    return "returned"
+
+
+@pytest.mark.parametrize(
+    "op, what",
+    [
+        ("receive", "pipeline receive from pp stage 1 (global rank 1)"),
+        ("send", "pipeline send to pp stage 1 (global rank 1)"),
+        ("exchange", "pipeline exchange with pp stage 1 (global rank 1)"),
+    ],
+)
+def test_a_pipeline_stage_whose_peer_never_answers_names_the_peer_and_the_pp_axis(op, what):
+    rank0, rank1 = run_fresh(2, stage_whose_peer_never_answers, op)
+    assert rank1 == "slept"
+    message, took = rank0
+    assert message.startswith(f"{what}: no answer from a peer of the pp axis (ranks [0, 1]) within its timeout of 3 s")
+    assert "Timed out" in message and took < HANG, message
+
+
+def stuck_in_gather_copy_in():
+    """cp 2: rank 1 agrees, then stalls in its copy-in, before the gather's all-gather."""
+    from wf_mesh import context_parallel
+
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2), timeout=TIMEOUT)
+    if dist.get_rank() == 1:
+        padded = context_parallel._padded_shard
+
+        def slow(*args):
+            time.sleep(2 * TIMEOUT.total_seconds())
+            return padded(*args)
+
+        context_parallel._padded_shard = slow
+    start = time.monotonic()
+    try:
+        wf_mesh.gather_sequence(torch.ones(2, 3), 0, mesh=pm)
+    except CollectiveTimeoutError as exc:
+        return str(exc), time.monotonic() - start
+    except RuntimeError as exc:  # rank 1 meets its peer's abandoned all-gather: any error, never a hang
+        return type(exc).__name__, time.monotonic() - start
+    return "returned", time.monotonic() - start
+
+
+def test_a_peer_stuck_before_the_gathers_all_gather_is_named():
+    (message, took), (kind, took1) = run_fresh(2, stuck_in_gather_copy_in)
+    assert message.startswith("gather_sequence: no answer from a peer of the cp axis (ranks [0, 1]) within its timeout")
+    assert took < HANG and took1 < HANG, (message, kind)

@@ -38,6 +38,7 @@ one rank raises the same error on every rank instead of hanging or silently mixi
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 import torch
@@ -45,9 +46,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from wf_mesh import _compat, agreement
+from wf_mesh import _compat, agreement, waits
 from wf_mesh.collectives import bytes_of, tensor_from_bytes
 from wf_mesh.errors import ShapeMismatchError, StateError
+from wf_mesh.faults import FaultSequence
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
 from wf_mesh.sizing import chunk_range, chunk_sizes
 from wf_mesh.topology import as_int
@@ -274,6 +276,10 @@ def gather_sequence(
     (``WF_MESH_CHECKS=0``), a plain ``x`` of an uneven split needs ``seq_len`` (the default is then local
     length x cp size).
 
+    Contained (:mod:`wf_mesh.faults`, when on): a rank whose copy-in, copy-out or backward local step raises
+    makes every rank of the cp group raise its error, and the next call is exact. Under ``torch.compile`` the
+    data path is DTensor's ``full_tensor`` (what dynamo traces), not contained.
+
     Returns:
         The full tensor, a plain tensor on every rank.
 
@@ -283,6 +289,7 @@ def gather_sequence(
         DisagreementError: ranks that disagree on ``seq_dim``, ``seq_len``, ``grad`` or DTensor-or-plain.
         IndexError, TypeError, ValueError: a bad argument on any rank (ValueError: ``seq_dim`` contradicts the
             DTensor's placement or the shard's record).
+        CollectiveTimeoutError: a peer did not answer within the cp group's timeout.
     """
     group_mesh = cp_mesh(mesh if mesh is not None or not isinstance(x, DTensor) else x.device_mesh)
     agreed = agreement.agree(
@@ -290,22 +297,136 @@ def gather_sequence(
     )
     parts, index = group_mesh.size(), group_mesh.get_local_rank()
     total = _agreed_length(agreed, parts) if agreed.exchanged else None
+    dim = agreed.mine.seq_dim
     if isinstance(x, DTensor):
-        local = x
-    else:
-        dim = agreed.mine.seq_dim
-        if total is None:  # checks off: trust seq_len, or even shards
-            total = seq_len if seq_len is not None else x.shape[dim] * parts
-            if x.shape[dim] != chunk_sizes(total, parts)[index]:
-                raise ShapeMismatchError(
-                    f"gather_sequence: local length {x.shape[dim]} along dim {dim} is not shard {index} of "
-                    f"seq_len={total} over {parts} ranks ({chunk_sizes(total, parts)})"
-                )
-        local = sequence_dtensor(x, dim, x.shape[:dim] + (total,) + x.shape[dim + 1 :], mesh=group_mesh)
-    if local.dtype in BYTE_DTYPES:
-        return _gather_bytes(local, group_mesh)
-    grad_placement = Replicate() if grad == "replicate" else Partial()
-    return local.full_tensor(grad_placements=[grad_placement])
+        total = x.shape[dim]
+    elif total is None:  # checks off: trust seq_len, or even shards
+        total = seq_len if seq_len is not None else x.shape[dim] * parts
+        if x.shape[dim] != chunk_sizes(total, parts)[index]:
+            raise ShapeMismatchError(
+                f"gather_sequence: local length {x.shape[dim]} along dim {dim} is not shard {index} of "
+                f"seq_len={total} over {parts} ranks ({chunk_sizes(total, parts)})"
+            )
+    if torch.compiler.is_compiling():  # dynamo traces DTensor's collectives, not ours (and no containment)
+        if isinstance(x, DTensor):
+            local = x
+        else:
+            local = sequence_dtensor(x, dim, x.shape[:dim] + (total,) + x.shape[dim + 1 :], mesh=group_mesh)
+        if local.dtype in BYTE_DTYPES:
+            return _gather_bytes(local, group_mesh)
+        return local.full_tensor(grad_placements=[Replicate() if grad == "replicate" else Partial()])
+    shard = _compat.wait_if_async(x.to_local()) if isinstance(x, DTensor) else x
+    layout = _Layout(group_mesh.get_group(), dim, tuple(chunk_sizes(total, parts)), index)
+    if shard.dtype in BYTE_DTYPES:  # each element's bytes along one more trailing dim: seq_dim keeps its meaning
+        raw = shard.detach().unsqueeze(-1).view(torch.uint8)
+        return _gather(raw, layout).view(shard.dtype).squeeze(-1)
+    return typing.cast(torch.Tensor, _Gather.apply(shard, layout, grad))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where every rank's shard lies in a gather: the cp group, the dim, each rank's length, this rank."""
+
+    group: dist.ProcessGroup
+    dim: int
+    sizes: tuple[int, ...]
+    index: int
+
+    @property
+    def start(self) -> int:
+        return sum(self.sizes[: self.index])
+
+    def padded(self, shape: torch.Size) -> torch.Size:
+        """``shape`` with the seq dim as long as the longest shard (what every rank sends)."""
+        return shape[: self.dim] + (self.sizes[0],) + shape[self.dim + 1 :]
+
+
+class _Gather(torch.autograd.Function):
+    """gather_sequence's data path: one all-gather forward; backward by the grad rule (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: typing.Any, shard: torch.Tensor, layout: _Layout, rule: str) -> torch.Tensor:
+        ctx.layout, ctx.rule = layout, rule
+        return _gather(shard, layout)
+
+    @staticmethod
+    def backward(ctx: typing.Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        layout: _Layout = ctx.layout
+        seq = FaultSequence(layout.group, "gather_sequence")
+        if ctx.rule == "replicate":  # every rank holds the same gradient: this rank's slice, no collective
+            mine = seq.step(("backward slice", 1, 1), _slice, grad, layout)
+        else:  # each rank's gradient of the whole: the sum of every rank's, sliced
+            send = seq.step(("backward copy-in", 1, 1), _stacked, grad, layout)
+            if send is None:  # the peers still expect this rank's part of the sum
+                send = grad.new_zeros(_flat_shape(layout.padded(grad.shape), len(layout.sizes)))
+            summed = grad.new_empty(layout.padded(grad.shape))
+            with waits.bounded(layout.group, "gather_sequence backward"):
+                dist.reduce_scatter_single(summed, send, group=layout.group)
+            mine = seq.step(("backward copy-out", 1, 1), _unpadded, summed, layout)
+        seq.close()
+        return mine, None, None
+
+
+def _gather(shard: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """The all-gather of every rank's shard, padded to the longest, contained (:mod:`wf_mesh.faults`)."""
+    seq = FaultSequence(layout.group, "gather_sequence")
+    padded = layout.padded(shard.shape)
+    flat = shard.new_empty(_flat_shape(padded, len(layout.sizes)))
+    received = flat.view(len(layout.sizes), *padded)
+    send = seq.step(("copy-in", 1, 1), _padded_shard, shard, layout)
+    if send is None:  # the peers still expect this rank's block: send the buffer already held
+        send = received[layout.index]
+    with waits.bounded(layout.group, "gather_sequence"):
+        dist.all_gather_single(flat, send, group=layout.group)
+    full = seq.step(("copy-out", 1, 1), _joined, received, flat, layout)
+    seq.close()
+    return typing.cast(torch.Tensor, full)
+
+
+def _padded_shard(shard: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    if shard.shape[layout.dim] == layout.sizes[0]:
+        return shard.contiguous()
+    out = shard.new_zeros(layout.padded(shard.shape))
+    out.narrow(layout.dim, 0, shard.shape[layout.dim]).copy_(shard)
+    return out
+
+
+def _joined(received: torch.Tensor, flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """The blocks of ``received`` (one per rank, padded) cut to their lengths and joined along the seq dim."""
+    dim, sizes = layout.dim, layout.sizes
+    if dim == 0 and all(n == sizes[0] for n in sizes):  # already in order: no copy
+        return flat
+    return torch.cat([received[r].narrow(dim, 0, n) for r, n in enumerate(sizes)], dim)
+
+
+def _slice(grad: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    # a copy, not a view: the shard's gradient must not keep the whole one alive
+    mine = grad.narrow(layout.dim, layout.start, layout.sizes[layout.index])
+    return mine.clone(memory_format=torch.contiguous_format)
+
+
+def _stacked(grad: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """Every rank's block of ``grad``, padded to the longest, one after the other along dim 0."""
+    dim, sizes = layout.dim, layout.sizes
+    if dim == 0 and all(n == sizes[0] for n in sizes):
+        return grad.contiguous()
+    padded = layout.padded(grad.shape)
+    flat = grad.new_zeros(_flat_shape(padded, len(sizes)))
+    blocks, start = flat.view(len(sizes), *padded), 0
+    for r, n in enumerate(sizes):
+        blocks[r].narrow(dim, 0, n).copy_(grad.narrow(dim, start, n))
+        start += n
+    return flat
+
+
+def _flat_shape(padded: torch.Size, parts: int) -> tuple[int, ...]:
+    """The shape of ``parts`` blocks of shape ``padded`` one after the other along dim 0 (the backends' layout)."""
+    return (parts * padded[0], *padded[1:])
+
+
+def _unpadded(summed: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    n = layout.sizes[layout.index]
+    return summed if n == layout.sizes[0] else summed.narrow(layout.dim, 0, n).contiguous()
 
 
 BYTE_DTYPES = frozenset(
@@ -416,17 +537,32 @@ def broadcast_shard(
     dim = src.seq_dim % ndim
     sizes = chunk_sizes(shape[dim], parts)
     device = agreement.comm_device(group)
-    chunks = None
-    if (
-        source and x is not None
-    ):  # equal-size byte buffers (gloo's scatter needs equal sizes): pad, then trim on receipt
-        chunks = [_padded_bytes(local_chunk(x.detach(), dim, parts, i), dim, sizes[0]).to(device) for i in range(parts)]
     padded_shape = shape[:dim] + (sizes[0],) + shape[dim + 1 :]
     buffer = torch.empty(padded_shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device)
-    dist.scatter(buffer, chunks, group=group, group_src=0)
-    out = tensor_from_bytes(buffer, dtype, padded_shape).narrow(dim, 0, sizes[index])
-    out = out if sizes[index] == sizes[0] else out.contiguous()
+    seq = FaultSequence(group, "broadcast_shard")  # contained: the source's copy-in, a receiver's copy-out
+    chunks = None
+    if source:  # equal-size byte buffers (gloo's scatter needs equal sizes): pad, then trim on receipt
+        assert x is not None, "the source's facts carry its tensor"
+        chunks = seq.step(("copy-in", 1, 1), _scatter_chunks, x, dim, sizes, device)
+        if chunks is None:  # the receivers still expect their bytes
+            chunks = [torch.zeros_like(buffer)] * parts
+    with waits.bounded(group, "broadcast_shard"):
+        dist.scatter(buffer, chunks, group=group, group_src=0)
+    out = seq.step(("copy-out", 1, 1), _received_shard, buffer, dtype, padded_shape, dim, sizes[index])
+    seq.close()
     return sequence_dtensor(out, dim, shape, mesh=mesh) if as_dtensor else _record_shard(out, dim, "broadcast_shard")
+
+
+def _scatter_chunks(x: torch.Tensor, dim: int, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    parts = len(sizes)
+    return [_padded_bytes(local_chunk(x.detach(), dim, parts, i), dim, sizes[0]).to(device) for i in range(parts)]
+
+
+def _received_shard(
+    buffer: torch.Tensor, dtype: torch.dtype, padded_shape: torch.Size, dim: int, length: int
+) -> torch.Tensor:
+    out = tensor_from_bytes(buffer, dtype, padded_shape).narrow(dim, 0, length)
+    return out if length == padded_shape[dim] else out.contiguous()
 
 
 def _padded_bytes(chunk: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from wf_mesh import agreement
+from wf_mesh import agreement, waits
 from wf_mesh.faults import FaultSequence
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
 from wf_mesh.topology import as_int
@@ -89,16 +89,26 @@ class _LinkFacts(agreement.Facts):
 
 class P2PWork:
     """Handle of a send or receive: ``wait()`` may be called any number of times, also after the link
-    waited on it (a gloo point-to-point work waited twice blocks until the timeout). ``work`` is torch's."""
+    waited on it (a gloo point-to-point work waited twice blocks until the timeout). ``work`` is torch's;
+    ``group`` and ``what`` (the op and its peer) name a wait that times out (:mod:`wf_mesh.waits`)."""
 
-    __slots__ = ("work",)
+    __slots__ = ("group", "what", "work")
 
-    def __init__(self, work: dist.Work) -> None:
+    def __init__(self, work: dist.Work, group: dist.ProcessGroup | None = None, what: str = "pipeline P2P") -> None:
         self.work = work
+        self.group = group
+        self.what = what
 
     def wait(self) -> bool:
-        """Block until the op completed; True (torch's ``Work.wait`` contract)."""
-        _wait_once(self.work)
+        """Block until the op completed.
+
+        Returns:
+            True (torch's ``Work.wait`` contract).
+
+        Raises:
+            CollectiveTimeoutError: the peer did not answer within the pp group's timeout.
+        """
+        _wait_once(self.work, self.group, self.what)
         return True
 
     def is_completed(self) -> bool:
@@ -113,10 +123,11 @@ def _posted(work: dist.Work | None) -> dist.Work:
     return work
 
 
-def _wait_once(work: dist.Work) -> None:
+def _wait_once(work: dist.Work, group: dist.ProcessGroup | None, what: str) -> None:
     # gloo: waiting a completed point-to-point work again blocks until the timeout
     if not work.is_completed():
-        work.wait()
+        with waits.bounded(group, what):
+            work.wait()
 
 
 class PendingRecv:
@@ -127,11 +138,21 @@ class PendingRecv:
     mismatch drains the payload into a scratch buffer and raises ValueError.
     """
 
-    __slots__ = ("_error", "_header", "_header_work", "_headers", "_src", "tensor", "work")
+    __slots__ = ("_error", "_header", "_header_work", "_headers", "_src", "group", "tensor", "what", "work")
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None, headers: _Headers | None = None) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        work: dist.Work | None,
+        headers: _Headers | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        what: str = "pipeline receive",
+    ) -> None:
         self.tensor = tensor
         self.work = work  # checked: None until the header is settled
+        self.group = group  # with ``what``, names a wait that times out
+        self.what = what
         self._headers = headers
         self._header: torch.Tensor | None = None
         self._header_work: dist.Work | None = None
@@ -146,7 +167,7 @@ class PendingRecv:
         """
         work = self.payload_work()
         if self._error is not None:
-            _wait_once(work)
+            _wait_once(work, self.group, self.what)
             raise ValueError(self._error)
 
     def payload_work(self) -> dist.Work:
@@ -156,9 +177,17 @@ class PendingRecv:
         return _posted(self.work)
 
     def wait(self) -> torch.Tensor:
-        """Wait until ``tensor`` is filled and return it (checked mode: ValueError on a mismatch, see :meth:`check`)."""
+        """Wait until ``tensor`` is filled.
+
+        Returns:
+            ``tensor``.
+
+        Raises:
+            ValueError: (checked mode) the sender's shape or dtype differ, see :meth:`check`.
+            CollectiveTimeoutError: the peer did not send within the pp group's timeout.
+        """
         self.check()
-        _wait_once(self.payload_work())
+        _wait_once(self.payload_work(), self.group, self.what)
         return self.tensor
 
 
@@ -177,7 +206,7 @@ class _Headers:
 
     def post(self, buffer: torch.Tensor, src: int) -> PendingRecv:
         self.settle_from(src)  # the previous receive's payload must be posted before this header
-        pending = PendingRecv(buffer, None, self)
+        pending = PendingRecv(buffer, None, self, group=self.link.group, what=self.link._what("receive from", src))
         pending._header, pending._src = self.empty(), src
         pending._header_work = dist.irecv(pending._header, group=self.link.group, group_src=src)
         self.unsettled[src] = pending
@@ -192,7 +221,8 @@ class _Headers:
         header, header_work = pending._header, pending._header_work
         if header is None or header_work is None:
             raise RuntimeError("a checked receive is settled before its header receive was posted")
-        header_work.wait()
+        with waits.bounded(self.link.group, pending.what):
+            header_work.wait()
         if self.unsettled.get(pending._src) is pending:
             del self.unsettled[pending._src]
         if agreement.read_header(header, _FAILED) is not None:  # no payload follows; the buffer stays unfilled
@@ -258,7 +288,7 @@ class PipelineP2P:
         self.next_rank = self.ranks[self._group_peer["next"]]
         self.prev_rank = self.ranks[self._group_peer["prev"]]
         self.device = self.mesh.device
-        self._pending_sends: deque[dist.Work] = deque()
+        self._pending_sends: deque[P2PWork] = deque()
         self._headers = _Headers(self) if self.checked else None
         self._sequence: FaultSequence | None = None
         if self.num_stages > 1:  # both ends of every link must speak the same protocol
@@ -297,15 +327,11 @@ class PipelineP2P:
         seq = self._sequence
         if tensor is None and seq is not None and (seq.failed or seq.skipping) and self._headers is not None:
             failed = agreement.header_row(_FAILED, _FailedStep(), self.device)  # instead of header and payload
-            work = _posted(dist.isend(failed, group=self.group, group_dst=group_dst))
-            self._track(work)
-            return P2PWork(work)
+            return self._track(_posted(dist.isend(failed, group=self.group, group_dst=group_dst)), group_dst)
         tensor = self._check_tensor(tensor, "send").contiguous()
         if self._headers is not None:
-            self._track(_posted(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst)))
-        work = _posted(dist.isend(tensor, group=self.group, group_dst=group_dst))
-        self._track(work)
-        return P2PWork(work)
+            self._track(_posted(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst)), group_dst)
+        return self._track(_posted(dist.isend(tensor, group=self.group, group_dst=group_dst)), group_dst)
 
     @contextlib.contextmanager
     def contained(self, what: str = "pipeline step") -> Iterator[FaultSequence]:
@@ -354,9 +380,13 @@ class PipelineP2P:
         self._sequence.skip()
 
     def wait_sends(self) -> None:
-        """Wait until every send this object still tracks has completed."""
+        """Wait until every send this object still tracks has completed.
+
+        Raises:
+            CollectiveTimeoutError: a peer did not receive within the pp group's timeout.
+        """
         while self._pending_sends:
-            _wait_once(self._pending_sends.popleft())
+            self._pending_sends.popleft().wait()
 
     # ---- receives -----------------------------------------------------------------------------------
     def irecv(self, shape: Sequence[int], dtype: torch.dtype, *, peer: Peer = "prev") -> PendingRecv:
@@ -382,7 +412,8 @@ class PipelineP2P:
             )
         if self._headers is not None:
             return self._headers.post(buffer, group_src)
-        return PendingRecv(buffer, dist.irecv(buffer, group=self.group, group_src=group_src))
+        work = dist.irecv(buffer, group=self.group, group_src=group_src)
+        return PendingRecv(buffer, work, group=self.group, what=self._what("receive from", group_src))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, *, peer: Peer = "prev") -> torch.Tensor:
         """Receive a new ``(shape, dtype)`` tensor from the ``"prev"`` (default) or ``"next"`` stage; blocks."""
@@ -427,7 +458,7 @@ class PipelineP2P:
             headers = [self._headers.empty() for _ in recvs]
             self._batch(
                 [(dist.isend, self._headers.of(t), dst) for t, dst in sends]
-                + [(dist.irecv, h, src) for h, (_, src) in zip(headers, recvs)]
+                + [(dist.irecv, h, src) for h, (_, src) in zip(headers, recvs)],
             )
             for i, (header, (buf, src)) in enumerate(zip(headers, recvs)):
                 targets[i], error = self._headers.verify(header, buf, src)
@@ -460,18 +491,27 @@ class PipelineP2P:
             raise ValueError(f"{what}: tensor is on {tensor.device}, but the pp axis communicates on {self.device}")
         return tensor
 
-    def _track(self, work: dist.Work) -> None:
+    def _what(self, op: str, peer: int) -> str:
+        """How a timed-out wait names the op and its peer: "pipeline receive from pp stage 1 (global rank 3)"."""
+        return f"pipeline {op} pp stage {peer} (global rank {self.ranks[peer]})"
+
+    def _track(self, work: dist.Work, group_dst: int) -> P2PWork:
         pending = self._pending_sends
         while pending and pending[0].is_completed():
             pending.popleft()
-        pending.append(work)
+        handle = P2PWork(work, self.group, self._what("send to", group_dst))
+        pending.append(handle)
         if len(pending) > self.max_pending_sends:
-            _wait_once(pending.popleft())
+            pending.popleft().wait()
+        return handle
 
     def _batch(self, ops: list[tuple[Any, torch.Tensor, int]]) -> None:
         p2p = [dist.P2POp(op, tensor, group=self.group, group_peer=peer) for op, tensor, peer in ops]
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
+        stages = sorted({peer for _, _, peer in ops})
+        peers = ", ".join(f"pp stage {p} (global rank {self.ranks[p]})" for p in stages)
+        with waits.bounded(self.group, f"pipeline exchange with {peers}"):
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
 
 
 # ---- bridge to torch.distributed.pipelining -----------------------------------------------------------

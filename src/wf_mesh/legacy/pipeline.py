@@ -63,7 +63,7 @@ class PPScheduler(PipelineP2P):
         """
         pending = self.irecv_into(buffer)
         pending.check()
-        return P2PWork(pending.payload_work())
+        return P2PWork(pending.payload_work(), pending.group, pending.what)
 
     def recv_prev_data(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Receive a new ``(shape, dtype)`` tensor from the previous stage; blocks until it arrived."""
