@@ -65,6 +65,7 @@ SPECS = [
     Spec((3, 6, 2, 5), kv_heads=1, window=1),  # chunk c sees chunks c-1, c: older ones evicted
     Spec((2, 7, 3), heads=2, kv_heads=2, dtype="float32", window=0, denoise=2),
     Spec((3, 5)),  # at cp 4 rank 3 has no token and no cached key in chunk 0
+    Spec((4,) * 12, dtype="float32", layers=1, window=1),  # a long windowed decode: the buffers stop growing
 ]
 USP_SPEC = Spec((5, 3, 8), kv_heads=2, layers=1)
 WORLD_SPECS = {1: SPECS, 2: SPECS, 4: [*SPECS, dataclasses.replace(USP_SPEC)]}
@@ -234,6 +235,9 @@ def test_cache_shards_stay_within_one_token(world, case, world_results):
         assert sum(lengths) == sum(kept) and max(lengths) - min(lengths) <= 1, lengths
     if spec.capacity:
         assert (r["reallocations"], r["capacity"]) == (spec.layers, spec.capacity)  # allocated once per layer
+    if spec.window is not None and len(spec.chunks) > 10:  # evicted tokens are compacted away, not kept
+        live = -(-(spec.window + 1) * max(spec.chunks) // world)  # a rank's tokens of the window and the chunk
+        assert r["capacity"] <= 2 * live < sum(spec.chunks) // world
 
 
 def test_a_rank_can_hold_no_token_of_a_chunk(world_results):
