@@ -6,7 +6,8 @@ chunk by chunk with ``KVCache`` at cp 1, 2 and 4 (and a 2x2 usp mesh, flattened)
     masks and ``F.scaled_dot_product_attention`` (a block-causal model's chunk c depends on chunks <= c only, so
     its decode is exactly its full-sequence forward).
 
-float64 within 1e-10, fp32 within 1e-5 (abs + rel). Every world runs its whole case list in ONE run_distributed
+float64 within 1e-10, fp32 within 1e-5, bf16 within 3e-2 (abs + rel; bf16 measured: 5.8e-3 .. 7.8e-3 against
+the float64 reference and cp 1, the single-process decode itself 6.6e-3: the projections round to 8 bits). Every world runs its whole case list in ONE run_distributed
 call. Also pinned: the c10d ops of each call (``wf_mesh.testing.c10d_ops``), no host sync per layer call, the
 cache shards within one token as they grow (and under a window), no reallocation with ``capacity``, and every
 misuse raising on every rank.
@@ -32,7 +33,7 @@ from wf_mesh.testing import c10d_ops, host_syncs, injected_fault, run_distribute
 
 from helpers import raised_everywhere
 
-TOL = {"float64": 1e-10, "float32": 1e-5}
+TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
 B, C, D = 2, 16, 4  # batch, model width, head dim
 
 
@@ -66,6 +67,7 @@ SPECS = [
     Spec((2, 7, 3), heads=2, kv_heads=2, dtype="float32", window=0, denoise=2),
     Spec((3, 5)),  # at cp 4 rank 3 has no token and no cached key in chunk 0
     Spec((4,) * 12, dtype="float32", layers=1, window=1),  # a long windowed decode: the buffers stop growing
+    Spec((5, 3, 8), kv_heads=2, dtype="bfloat16", layers=1),  # partials merged in fp32
 ]
 USP_SPEC = Spec((5, 3, 8), kv_heads=2, layers=1)
 WORLD_SPECS = {1: SPECS, 2: SPECS, 4: [*SPECS, dataclasses.replace(USP_SPEC)]}
