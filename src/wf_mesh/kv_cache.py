@@ -511,8 +511,7 @@ class KVCacheStep:
         seq = FaultSequence(cache._group, "KVCache.attend")
         at = (layer + 1 if isinstance(layer, int) else 0, cache.layers)
         seq.step(("validation of layer", *at), self._check, layer, q, k, v)
-        index = self._next
-        store = cache._layers[index]
+        store = cache._layers[min(self._next, cache.layers - 1)]  # unused when the validation failed (contained)
         if n == 1:  # no peers: the local attention is the result
             seq.step(("cache append of layer", *at), self._append, store, k, v)
             out = seq.step(("local attention of layer", *at), self._local, store, q)
