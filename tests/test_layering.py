@@ -30,6 +30,7 @@ LAYERS = {
         "attention_ops",
         "attention_kernels",
         "attention_plan",
+        "kv_cache",
         "log",
         "bootstrap",
         "guidance",

@@ -17,6 +17,8 @@ Context parallel (wf_mesh.context_parallel, wf_mesh.video, wf_mesh.attention):
     zigzag_shard / zigzag_gather                         the load-balanced layout for causal attention
     RangeMask                                            block-causal / packed / windowed masks as ranges;
                                                          plan_cp_attention(mask=...) balances their work
+    KVCache -> KVCacheStep                               autoregressive decoding chunk by chunk: the chunk's
+                                                         queries against the cp-sharded cache (split-KV)
 
 Shard-local model state for FSDP2 (wf_mesh.ema, wf_mesh.state_sync):
     ShardedEMA                       fp32 EMA of local shards; update(model), swapped_into(model), DCP state_dict
@@ -78,6 +80,8 @@ _EXPORTS: dict[str, str] = {
     "VideoSplit": "wf_mesh.video",
     "CPAttentionPlan": "wf_mesh.attention_plan",
     "RangeMask": "wf_mesh.masks",
+    "KVCache": "wf_mesh.kv_cache",
+    "KVCacheStep": "wf_mesh.kv_cache",
     "CPSelfAttention": "wf_mesh.attention",
     "plan_cp_attention": "wf_mesh.attention_plan",
     "cp_attention": "wf_mesh.attention",
