@@ -94,6 +94,9 @@ def cases_for(world):
 
 
 CASES = {w: cases_for(w) for w in (2, 4, 8)}
+FAST_AT_CP4 = ("block_causal", "block_causal_uneven", "packed_causal", "block_causal_16", "window")
+FAST = [c for c in CASES[2] + CASES[4] if c.world == 2 or (c.dtype == "float64" and c.mask in FAST_AT_CP4)]
+SLOW = [c for c in CASES[2] + CASES[4] + CASES[8] if c not in FAST]  # cp 8 and the rest of the cp 4 matrix
 
 
 def make_inputs(case):
@@ -152,11 +155,13 @@ def run_world(cases):
 def mask_results():
     cache = {}
 
-    def get(world):
-        if world not in cache:
-            per_rank = run_distributed(world, run_world, CASES[world])
-            cache[world] = {c.id: [per_rank[r][i] for r in range(world)] for i, c in enumerate(CASES[world])}
-        return cache[world]
+    def get(world, slow=False):
+        """Per case id, every rank's result: the fast lane's cases of ``world`` (or the slow lane's) in one run."""
+        if (world, slow) not in cache:
+            cases = [c for c in CASES[world] if (c in SLOW) == slow]
+            per_rank = run_distributed(world, run_world, cases)
+            cache[world, slow] = {c.id: [per_rank[r][i] for r in range(world)] for i, c in enumerate(cases)}
+        return cache[world, slow]
 
     return get
 
@@ -178,7 +183,7 @@ def shard(x, dim, segments):
 
 
 def check_case(case, results):
-    ranks = results(case.world)[case.id]
+    ranks = results(case.world, case in SLOW)[case.id]
     seq_dim = 1 if case.layout == "bshd" else 2
     tol = TOL[case.dtype]
     for name, want in zip(("out", "dq", "dk", "dv"), reference(case)):
@@ -188,10 +193,6 @@ def check_case(case, results):
             got = r[name]
             assert got.dtype == getattr(torch, case.dtype) and got.shape == expected.shape, (name, rank)
             assert torch.allclose(got.double(), expected, atol=tol, rtol=tol), (name, rank)
-
-
-FAST = [c for c in CASES[2] + CASES[4] if c.world == 2 or (c.dtype == "float64" and c.mask != "packed_block")]
-SLOW = [c for c in CASES[2] + CASES[4] + CASES[8] if c not in FAST]
 
 
 @pytest.mark.parametrize("case", FAST, ids=lambda c: c.id)
@@ -340,3 +341,41 @@ def compiled_vs_eager(methods):
 def test_compiled_path_takes_mask_plans():
     for result in run_distributed(2, compiled_vs_eager, ["ring", "allgather"]):
         assert result == {"ring": (pytest.approx(0, abs=1e-12), 1), "allgather": (pytest.approx(0, abs=1e-12), 1)}
+
+
+# ---- fault containment with skipped hops ----------------------------------------------------------------
+def contained_mask_failure(where, at):
+    """Rank 1's block step ``(where, at)`` fails in a block-causal ring (rank 0's hop to rank 1 is the only K/V
+    hop): what every rank raises, then the max error of the same call run again."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2), contain_faults=True)
+    case = Case(world=2, method="ring", mask="block_causal", balance=None)
+    plan = wf_mesh.plan_cp_attention(mask=MASKS[case.mask](), mesh=pm, balance=None)
+    want = reference(case)
+
+    def call():
+        q, k, v, dout, _ = make_inputs(case)
+        leaves = [plan.shard(x, 2).clone().requires_grad_() for x in (q, k, v)]
+        out = cp_attention(*leaves, layout="bhsd", plan=plan)
+        out.backward(plan.shard(dout, 2))
+        got = [out.detach(), *(x.grad for x in leaves)]
+        return max((g - plan.shard(w, 2)).abs().max().item() for g, w in zip(got, want))
+
+    try:
+        if pm.rank("cp") == 1:
+            with wf_mesh.faults.injected_fault(where, at, MemoryError("injected")):
+                call()
+        else:
+            call()
+        caught = None
+    except MemoryError as exc:
+        caught = str(exc)
+    error = call()
+    pm.destroy()
+    return caught, error
+
+
+@pytest.mark.parametrize("where,at", [("ring hop", 1), ("ring hop", 2), ("ring backward hop", 2)])
+def test_a_failing_step_of_a_masked_ring_is_contained(where, at):
+    for caught, error in run_distributed(2, contained_mask_failure, where, at):
+        assert caught is not None and f"rank 1: failed at {where} {at} of 2: MemoryError: injected" in caught
+        assert error < 1e-10
