@@ -61,6 +61,13 @@ as an expanded bias, float32) or cuDNN; on CPU the CPU flash kernel (float64 inc
 which materializes each block's scores, is the last resort and warns once naming why (dtype, head dim, mask
 kind, disabled): on CUDA that is every float64 call (no fused CUDA kernel takes float64).
 
+Masks: with a plan built for a :class:`~wf_mesh.RangeMask` (``plan_cp_attention(mask=...)``; the shards are
+``plan.shard``'s) every method evaluates the mask from global positions block by block: key blocks fully
+masked for a query block are not computed, a ring hop whose K/V no later ring rank needs is not sent, and in
+backward dK/dV go from the last ring rank that needs them straight back to their owner (all decided from the
+plan alone, the same on every rank: no extra message; ``plan.ring_skips()`` counts them). ``key_padding_mask``
+combines with it; ``causal=True`` does not (the mask says the pattern).
+
 Key padding: ``key_padding_mask`` is bool ``(B, S_local)`` for this rank's keys, True = padding (the
 ``nn.MultiheadAttention`` convention); it travels with its K/V block. A query row whose keys are all
 masked gets output 0 and zero gradients, as single-process ``F.scaled_dot_product_attention`` does.
