@@ -252,9 +252,27 @@ def ring_skips_of(world, mask, balance, ring_size):
     return plan.ring_skips(ring_size), plan.imbalance
 
 
+def dtensor_with_a_contiguous_mask_plan():
+    """DTensor inputs with a mask plan of torch.chunk shards (balance=None): the same output as plain tensors."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    mask = MASKS["packed_causal"]()
+    plan = wf_mesh.plan_cp_attention(mask=mask, mesh=pm, balance=None)
+    x = plan.shard(torch.randn(1, 2, mask.seq_len, 8, generator=torch.Generator().manual_seed(0)), 2)
+    d = sequence_dtensor(x, 2, (1, 2, mask.seq_len, 8), mesh=pm)
+    out = cp_attention(d, d, d, layout="bhsd", plan=plan)
+    return type(out).__name__, torch.equal(out.to_local(), cp_attention(x, x, x, layout="bhsd", plan=plan))
+
+
+def test_dtensor_inputs_take_a_contiguous_mask_plan():
+    assert run_distributed(2, dtensor_with_a_contiguous_mask_plan) == [("DTensor", True)] * 2
+
+
 def test_sixteen_block_causal_chunks_at_cp4_contiguous_skip_6_blocks_6_hops_7_dkv_messages(mask_results):
     skips = run_distributed(4, ring_skips_of, 4, MASKS["block_causal_16"](), None, None)
     assert {s for s, _ in skips} == {RingSkips(16, 6, 12, 6, 16, 7)}
+    # usp 2 x 2: a ring of 2 blocks of 8 chunks; block 1 is not needed by ring rank 0
+    usp = run_distributed(4, ring_skips_of, 4, MASKS["block_causal_16"](), None, 2)
+    assert {s for s, _ in usp} == {RingSkips(4, 1, 2, 1, 4, 2)}
     # the run agrees: sends summed over the ranks are the hops and messages not skipped
     case = Case(world=4, method="ring", mask="block_causal_16", balance=None)
     ranks = mask_results(4)[case.id]
