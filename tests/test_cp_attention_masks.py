@@ -43,6 +43,8 @@ MASKS = {
     "packed_causal": lambda: wf_mesh.RangeMask.packed([9, 7, 11, 6], causal=True),
     "packed_block": lambda: wf_mesh.RangeMask.packed([10, 8, 13], causal="block", chunk_size=3),
     "window": lambda: wf_mesh.RangeMask.chunk_window([3, 5, 4, 4, 6, 2, 4, 4], window=1),
+    # rows 8-11 and 20-23 see no key (output 0, zero gradients, as SDPA), keys 4-7 are seen by no query
+    "sparse": lambda: wf_mesh.RangeMask([(0, 8, 0, 4, "full"), (12, 20, 8, 20, "causal")], seq_len=24),
 }
 
 
@@ -87,6 +89,8 @@ def cases_for(world):
             Case(mask="window", dtype="float32", **base),
             Case(mask="block_causal", dtype="bfloat16", layout="bshd", **base),
         ]
+    if world == 2:
+        out += [Case(world=2, method=m, usp=u, mask="sparse", heads=4, kv_heads=2) for m, u in methods(2)]
     if world == 4:
         out.append(Case(world=4, method="ring", mask="block_causal_16", balance=None))
         out.append(Case(world=4, method="ring", mask="window", balance=None, pad=True))
