@@ -20,6 +20,15 @@ output: ``TP_PLAN``), so each tp rank runs cp attention on its ``heads / N`` hea
 under tp) are sharded with FSDP2 over the ``dp_cp`` axis (cp ranks hold the same weights, so their gradients
 are summed together with dp's).
 
+Autoregressive masks (issue 19): ``--chunk-frames N`` trains block-causal attention over chunks of N frames
+(the tokens of chunk c see every token of chunks <= c, :meth:`wf_mesh.RangeMask.block_causal`), and
+``--pack`` packs each sample's frames as clips of different lengths (frame counts cycling 3, 1, 2: 4 frames
+are clips of 3 and 1) with block-causal attention inside each clip (chunks of ``--chunk-frames``, default 1
+frame; :meth:`wf_mesh.RangeMask.packed`). Tokens then follow the frames-first order ``(t h w)`` and each cp
+rank holds the tokens of a work-balanced :func:`wf_mesh.plan_cp_attention` ``(mask=...)`` plan
+(``plan.shard``): every rank computes about the same number of unmasked pairs, and ``cp_attention`` evaluates
+the mask on those shards (exact at every world size, as without a mask).
+
 Exactness: whatever the world size, the gradient every step applies is the gradient of the GLOBAL mean
 loss. Each rank backpropagates ``sum of its squared errors / number of elements in the global batch`` and
 FSDP2 is told to SUM gradients over dp_cp instead of averaging them (``set_gradient_divide_factor(1.0)``
@@ -43,6 +52,8 @@ Run::
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --cp-method usp --cp-ulysses 2
     torchrun --nproc-per-node 4 examples/train_video_dit.py --tp 2 --cp 2  # tp 2 x cp 2: the same run as one process
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2 --data-rng dp  # = --data-rng dp at 2 processes
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --chunk-frames 1   # block-causal frame chunks
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --pack             # packed clips
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 examples/train_video_dit.py --ckpt-dir ckpt --save-every 2
 
 The last one resumes from ``ckpt/`` when torchrun restarts a failed worker. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
@@ -105,6 +116,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="global: every rank draws the whole batch and keeps its rows (the same run at every world "
                         "size); dp: each dp rank draws only its own samples (mesh.generator(vary_over=('dp',)): the "
                         "same run at every cp and tp for a given dp)")  # fmt: skip
+    p.add_argument("--chunk-frames", type=int, default=0,
+                   help="block-causal attention over chunks of N frames (0: full attention; with --pack: the "
+                        "chunks inside each clip, default 1)")  # fmt: skip
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack each sample's frames as clips of 3, 1, 2, ... frames, block-causal inside each",
+    )
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save checkpoints here and resume from the newest")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes the result of main() here (torch.save)")
@@ -120,6 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--dim {args.dim} is not divisible by --heads {args.heads}")
     if args.heads % args.tp:
         p.error(f"--heads {args.heads} is not divisible by --tp {args.tp}: each tp rank attends over whole heads")
+    if args.chunk_frames < 0:
+        p.error("--chunk-frames must be >= 0")
     if args.clip_grad < 0:
         p.error("--clip-grad must be >= 0")
     if args.save_every < 0:
@@ -133,6 +154,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cp % args.cp_ulysses:
         p.error(f"--cp-ulysses {args.cp_ulysses} must divide --cp {args.cp} (cp = ring x ulysses)")
     return args
+
+
+def pack_clips(frames: int) -> list[int]:
+    """The clips ``--pack`` cuts ``frames`` frames into: frame counts cycling 3, 1, 2 (the last one cut short)."""
+    clips: list[int] = []
+    while sum(clips) < frames:
+        clips.append(min((3, 1, 2)[len(clips) % 3], frames - sum(clips)))
+    return clips
+
+
+def attention_mask(args: argparse.Namespace) -> wf_mesh.RangeMask | None:
+    """The mask of ``--chunk-frames`` / ``--pack`` over one sample's frames-first tokens (None: full attention)."""
+    per_frame = args.height * args.width
+    if args.pack:
+        clips = [f * per_frame for f in pack_clips(args.frames)]
+        return wf_mesh.RangeMask.packed(clips, causal="block", chunk_size=(args.chunk_frames or 1) * per_frame)
+    if args.chunk_frames:
+        return wf_mesh.RangeMask.block_causal(
+            wf_mesh.masks.frame_chunk_sizes(args.frames, args.chunk_frames, per_frame)
+        )
+    return None
+
+
+class TokenLayout:
+    """Which tokens this cp rank holds: the video split's block (full attention), or under a mask the tokens of
+    the step's work-balanced mask plan, in frames-first ``(t h w)`` order."""
+
+    def __init__(self, split: wf_mesh.VideoSplit, mask: wf_mesh.RangeMask | None, mesh: wf_mesh.ParallelMesh) -> None:
+        self.split, self.mask, self.mesh = split, mask, mesh
+        self.plan: wf_mesh.CPAttentionPlan | None = None
+
+    def new_step(self) -> None:
+        """Plan this step's attention: once for all the blocks (one agreement)."""
+        if self.mask is None:
+            self.plan = self.split.attention_plan(mesh=self.mesh)  # every rank's token count
+        else:
+            self.plan = wf_mesh.plan_cp_attention(mask=self.mask, mesh=self.mesh)
+
+    def shard(self, latents: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens ``(B, S_local, C)`` of latents ``(B, C, T, H, W)``."""
+        if self.mask is None:
+            return self.split.shard(latents, mesh=self.mesh)
+        assert self.plan is not None
+        return self.plan.shard(latents.flatten(2).transpose(1, 2), 1)  # (B, T*H*W, C): frames first
+
+    def positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens' rows ``(S_local, D)`` of the position table ``(T, H, W, D)``."""
+        if self.mask is None:
+            return self.split.shard_positions(pos, mesh=self.mesh)
+        assert self.plan is not None
+        return self.plan.shard(pos.flatten(0, 2), 0)
 
 
 # ---- the model ------------------------------------------------------------------------------------------
@@ -189,12 +261,12 @@ class TinyVideoDiT(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, args.channels)
 
-    def forward(self, tokens, sigma, target, split: wf_mesh.VideoSplit, mesh: wf_mesh.ParallelMesh) -> torch.Tensor:
-        pos = split.shard_positions(self.pos, mesh=mesh)  # (S_local, D), this rank's tokens' positions
+    def forward(self, tokens, sigma, target, layout: TokenLayout) -> torch.Tensor:
+        pos = layout.positions(self.pos)  # (S_local, D), this rank's tokens' positions
         x = self.embed(tokens) + pos + self.noise_embed(sigma[:, None])[:, None, :]
-        plan = split.attention_plan(mesh=mesh)  # every rank's token count, agreed once for all the blocks
+        assert layout.plan is not None  # agreed once per step for all the blocks (TokenLayout.new_step)
         for block in self.blocks:
-            x = block(x, plan)
+            x = block(x, layout.plan)
         return (self.head(self.norm(x)) - target).pow(2).sum()
 
 
@@ -340,6 +412,7 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
         raise ValueError(f"--batch {args.batch} is smaller than dp={dp}: every dp rank needs at least one sample")
     latent_shape = (args.batch, args.channels, args.frames, args.height, args.width)
     split = wf_mesh.plan_video_split(latent_shape, cp_size=cp)
+    layout = TokenLayout(split, attention_mask(args), mesh)
     rows = torch.tensor_split(torch.arange(args.batch), dp)[dp_rank]  # this dp rank's samples
     global_elements = math.prod(latent_shape)
     global_tokens = args.batch * args.frames * args.height * args.width
@@ -351,6 +424,7 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
         f"train_video_dit: {world} process(es) = dp {dp} x cp {cp}{f' x tp {tp}' if tp > 1 else ''} ({args.cp_method}"
         f"{f', ulysses {args.cp_ulysses}' if args.cp_method == 'usp' else ''}), latents {latent_shape}, "
         f"{split.local_tokens} of {split.t * split.h * split.w} tokens per sample on each cp rank, "
+        f"{'full attention' if layout.mask is None else f'mask {layout.mask!r}'}, "
         f"{sum(p.numel() for p in model.parameters())} parameters, {args.steps} steps"
     )
 
@@ -370,8 +444,9 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
         noisy, target, sigma = (t.to(device) for t in local_batch(args, step, mesh, rows))
-        tokens, target = split.shard(noisy, mesh=mesh), split.shard(target, mesh=mesh)  # this cp rank's block
-        squared = model(tokens, sigma, target, split, mesh)
+        layout.new_step()
+        tokens, target = layout.shard(noisy), layout.shard(target)  # this cp rank's tokens
+        squared = model(tokens, sigma, target, layout)
         (squared / global_elements).backward()  # summed over dp_cp by FSDP2: the global mean's gradient
         grad_norms[step] = clip_grad_norm(model, args.clip_grad or math.inf).item()  # of the GLOBAL gradient
         optimizer.step()

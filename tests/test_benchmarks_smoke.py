@@ -250,3 +250,29 @@ def test_every_benchmark_runs_quick_and_writes_rows_in_the_schema(tmp_path):
     header = next(i for i, line in enumerate(lines) if line.startswith("benchmark "))
     assert lines[header].split() == ["benchmark", "measurement", "ratio", "low-high", "target", "meets"]
     assert len([line for line in lines if line.startswith(MINE)]) == len(rows)
+
+
+@pytest.mark.slow  # 4 processes, ~15 s
+def test_the_mask_benchmark_runs_quick_through_the_runner(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", "cp_attention_masks", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["failed"] == {}
+    rows = {r["measurement"]: r for r in data["rows"]}
+    assert all(tuple(r) == report.ROW_KEYS for r in data["rows"])
+    for mask in ("block-causal", "packed", "windowed"):
+        plan = rows[f"cp 4 {mask}: imbalance, balanced plan (max / mean work)"]
+        assert plan["ratio"] <= 1.10 and (plan["target"], plan["meets"]) == ("<= 1.10", "not judged")
+        assert f"cp 4 {mask}: ring / allgather, same mask, fwd+bwd time" in rows
+    assert rows["cp 4 block-causal: imbalance, contiguous shards"]["ratio"] == pytest.approx(58 / 34)
+    # 16 equal block-causal chunks on contiguous shards: 6/16 blocks, 6/12 K/V hops, 7/16 dK/dV messages
+    assert rows["cp 4 block-causal, contiguous: ring blocks skipped / all"]["ratio"] == 6 / 16
+    assert rows["cp 4 block-causal, contiguous: ring K/V hops skipped / all"]["ratio"] == 6 / 12
+    assert rows["cp 4 block-causal, contiguous: ring dK/dV messages skipped / all"]["ratio"] == 7 / 16
