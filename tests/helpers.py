@@ -8,6 +8,23 @@ import re
 
 import torch
 
+USP = ("cp_ring", "cp_ulysses")
+"""The dim names of the 2-D ``(ring, ulysses)`` DeviceMesh the usp cases build."""
+
+
+def run_cp_cases(run_case, cases):
+    """On every rank of a cp-only mesh: ``run_case(case, pm, usp_meshes)`` for each case (one mesh per usp split,
+    built once), so that a whole matrix of cases runs in one ``run_distributed`` call."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import wf_mesh
+
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
+    splits = sorted({c.usp for c in cases if c.usp})
+    usp_meshes = {s: init_device_mesh("cpu", s, mesh_dim_names=USP) for s in splits}
+    return [run_case(case, pm, usp_meshes) for case in cases]
+
 
 def sample(shape, seed=0, dtype=torch.float32):
     """The same pseudo-random tensor on every rank (its own generator: the global RNG is left alone)."""

@@ -47,7 +47,8 @@ from wf_mesh.errors import DisagreementError, ShapeMismatchError
 from wf_mesh.sizing import chunk_sizes
 from wf_mesh.testing import c10d_ops, run_distributed
 
-USP = ("cp_ring", "cp_ulysses")
+from helpers import USP, run_cp_cases
+
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
 
 
@@ -194,10 +195,7 @@ def run_case(case, pm, usp_meshes):
 
 
 def run_world(cases):
-    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
-    splits = sorted({c.usp for c in cases if c.usp})
-    usp_meshes = {s: init_device_mesh("cpu", s, mesh_dim_names=USP) for s in splits}
-    return [run_case(case, pm, usp_meshes) for case in cases]
+    return run_cp_cases(run_case, cases)
 
 
 @pytest.fixture(scope="session")

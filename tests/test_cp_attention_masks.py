@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import wf_mesh
 from wf_mesh.attention import cp_attention
@@ -30,9 +29,8 @@ from wf_mesh.attention_ops import RingSkips, merge_full_pieces, ring_last_steps
 from wf_mesh.context_parallel import sequence_dtensor
 from wf_mesh.testing import c10d_ops, counting_backend, run_distributed
 
-from helpers import raised_everywhere
+from helpers import raised_everywhere, run_cp_cases
 
-USP = ("cp_ring", "cp_ulysses")
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
 
 MASKS = {
@@ -149,10 +147,7 @@ def run_case(case, pm, usp_meshes):
 
 
 def run_world(cases):
-    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()))
-    splits = sorted({c.usp for c in cases if c.usp})
-    usp_meshes = {s: init_device_mesh("cpu", s, mesh_dim_names=USP) for s in splits}
-    return [run_case(case, pm, usp_meshes) for case in cases]
+    return run_cp_cases(run_case, cases)
 
 
 @pytest.fixture(scope="session")
