@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 import wf_mesh
 from wf_mesh.attention import cp_attention
-from wf_mesh.attention_ops import RingSkips, merge_full_pieces, ring_last_steps
 from wf_mesh.context_parallel import sequence_dtensor
+from wf_mesh.ring_schedule import RingSkips, merge_full_pieces, ring_last_steps
 from wf_mesh.testing import c10d_ops, counting_backend, run_distributed
 
 from helpers import raised_everywhere, run_cp_cases

@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "wf_mesh"
 # layer of each module (dotted name under wf_mesh); packages: every module inside takes the package's layer
 LAYERS = {
     # pure: no torch.distributed (no torch at import time)
-    0: ["errors", "sizing", "topology", "masks", "load_balance"],
+    0: ["errors", "sizing", "topology", "masks", "load_balance", "ring_schedule"],
     1: [
         "_compat",
         "waits",

@@ -112,8 +112,6 @@ from wf_mesh.attention_ops import (
     rank_segments,
     register_ring_plan,
     ring_attention_op,
-    ring_last_steps,
-    ring_needs,
     seq_to_heads_op,
     zigzag_segments,
 )
@@ -125,6 +123,7 @@ from wf_mesh.context_parallel import normalize_dim, sequence_dtensor
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.masks import RangeMask
 from wf_mesh.mesh import device_mesh_ranks, get_parallel_mesh
+from wf_mesh.ring_schedule import ring_last_steps, ring_needs
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = ["CPSelfAttention", "Layout", "cp_attention", "zigzag_gather", "zigzag_shard", "zigzag_sizes"]

@@ -3,14 +3,14 @@
 - which global positions each rank's shard holds (:func:`rank_segments`, contiguous or zigzag);
 - which (query rows, key block) pairs each ring step computes (:meth:`RingPlan.pairs`: only unmasked pairs
   and aligned causal squares; under a :class:`~wf_mesh.RangeMask` the mask's pieces within the block, full
-  pieces merged by :func:`merge_full_pieces`, fully masked blocks not computed), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its log-sum-exp
+  pieces merged by :func:`~wf_mesh.ring_schedule.merge_full_pieces`, fully masked blocks not computed), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its log-sum-exp
   out, and a backward given the merged output and log-sum-exp of the whole key range), partial results
   merged by :func:`merge_partial` (online softmax) in the accumulation dtype (fp32; float64 for float64);
 - the ring over K/V blocks as an autograd Function (:class:`RingAttention`): the next block travels while
   this one is computed, dK/dV travel back to their owners; a ring of one is plain blockwise attention. Under
-  a mask a block travels only as far as the last ring rank that needs it (:func:`ring_last_steps`, from the
+  a mask a block travels only as far as the last ring rank that needs it (:func:`~wf_mesh.ring_schedule.ring_last_steps`, from the
   plan alone: every rank computes the same hops), and its dK/dV go from that rank straight to the owner
-  (:class:`RingSkips` counts what is skipped);
+  (:class:`~wf_mesh.ring_schedule.RingSkips` counts what is skipped);
 - the moves between sequence and head shards (:class:`SeqToHeads`, :class:`HeadsToSeq`: one all-to-all
   each) and the all-gather baseline (:class:`GatherKV`).
 """
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from wf_mesh import waits
 from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
 from wf_mesh.faults import FaultSequence
-from wf_mesh.masks import Range, RangeMask
+from wf_mesh.masks import Range
+from wf_mesh.ring_schedule import Piece, merge_full_pieces
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = [
@@ -36,16 +37,12 @@ __all__ = [
     "HeadsToSeq",
     "RingAttention",
     "RingPlan",
-    "RingSkips",
     "Segment",
     "SeqToHeads",
     "concat_segments",
     "gather_mask",
     "gather_mask_padded",
-    "merge_full_pieces",
     "rank_segments",
-    "ring_last_steps",
-    "ring_needs",
     "zigzag_segments",
 ]
 
@@ -123,91 +120,6 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part
     lse.copy_(new)
 
 
-# ---- masks: which blocks each ring rank needs, how far a block travels -----------------------------------
-Interval = tuple[int, int]
-Piece = tuple[int, int, int, int, bool]
-"""``(row start, row end, column start, column end, causal)`` of a local block: one kernel call."""
-
-
-def merge_full_pieces(pieces: Sequence[Piece]) -> list[Piece]:
-    """Join full pieces whose union is a rectangle (same columns and touching rows, or same rows and touching
-    columns) until none is left to join: fewer, larger kernel calls. Causal pieces are kept as they are.
-
-    Returns:
-        The pieces, sorted (disjoint if the input pieces are).
-    """
-    full = [p for p in pieces if not p[4]]
-    changed = True
-    while changed and len(full) > 1:
-        changed = False
-        for key in (lambda p: (p[2], p[3], p[0]), lambda p: (p[0], p[1], p[2])):
-            out: list[Piece] = []
-            for p in sorted(full, key=key):
-                last = out[-1] if out else None
-                if last is not None and (last[2], last[3]) == (p[2], p[3]) and last[1] == p[0]:
-                    out[-1] = (last[0], p[1], p[2], p[3], False)
-                elif last is not None and (last[0], last[1]) == (p[0], p[1]) and last[3] == p[2]:
-                    out[-1] = (p[0], p[1], last[2], p[3], False)
-                else:
-                    out.append(p)
-                    continue
-                changed = True
-            full = out
-    return sorted(full + [p for p in pieces if p[4]])
-
-
-def ring_needs(mask: RangeMask, blocks: Sequence[Sequence[Interval]]) -> list[list[bool]]:
-    """``needs[i][j]``: whether ring rank i's queries (the positions of its block ``blocks[i]``) see any key of
-    block j under ``mask`` (pure arithmetic, the same on every rank).
-
-    Returns:
-        The ``R x R`` matrix.
-    """
-    return [[bool(q and kv) and mask.count(list(q), list(kv)) > 0 for kv in blocks] for q in blocks]
-
-
-def ring_last_steps(needs: Sequence[Sequence[bool]]) -> tuple[int, ...]:
-    """Per block j, the last ring step at which a rank needs it: block j is at ring rank ``j + t`` at step t, so
-    it travels ``last_steps[j]`` hops (0: only its owner attends to it, it does not travel).
-
-    Returns:
-        The last step of every block.
-    """
-    n = len(needs)
-    return tuple(max((t for t in range(n) if needs[(j + t) % n][j]), default=0) for j in range(n))
-
-
-@dataclasses.dataclass(frozen=True)
-class RingSkips:
-    """What a ring over a mask skips, summed over all ring ranks (``*_skipped`` of ``*`` in all)."""
-
-    blocks: int
-    """(query rank, K/V block) pairs: ``R * R``."""
-    blocks_skipped: int
-    """Pairs with no unmasked (query, key) pair: not computed, forward or backward."""
-    kv_hops: int
-    """K/V block hops of a full ring: ``R * (R - 1)``."""
-    kv_hops_skipped: int
-    """Hops not sent: past the last ring rank that needs the block."""
-    dkv_messages: int
-    """dK/dV messages of a full ring's backward: ``R * R`` (each block's back to its owner included)."""
-    dkv_messages_skipped: int
-    """dK/dV messages not sent: a block's go from the last rank that needs it straight to its owner."""
-
-    @classmethod
-    def of(cls, needs: Sequence[Sequence[bool]]) -> RingSkips:
-        """The counts of a ring with ``needs`` (:func:`ring_needs`).
-
-        Returns:
-            The counts.
-        """
-        n = len(needs)
-        last = ring_last_steps(needs)
-        sent = sum(x + 1 for x in last if x)
-        skipped = sum(not x for row in needs for x in row)
-        return cls(n * n, skipped, n * (n - 1), n * (n - 1) - sum(last), n * n, n * n - sent)
-
-
 # ---- the ring core (also the local attention of ulysses and allgather: a ring of one) -------------------
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
@@ -226,7 +138,7 @@ class RingPlan:
     """Under a RangeMask: per block j, the mask's pieces within this rank's queries x block j's keys (global
     positions, each inside one query and one key segment); None: no mask (``causal`` says the pattern)."""
     last_steps: tuple[int, ...] = ()
-    """Per block, the last ring step a rank needs it (:func:`ring_last_steps`); empty: every block travels the
+    """Per block, the last ring step a rank needs it (:func:`~wf_mesh.ring_schedule.ring_last_steps`); empty: every block travels the
     whole ring."""
 
     @property

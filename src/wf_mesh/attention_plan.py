@@ -40,12 +40,13 @@ from torch.distributed.tensor import DTensor
 
 from wf_mesh import _compat
 from wf_mesh.agreement import Facts, agree, fact
-from wf_mesh.attention_ops import RingSkips, rank_segments, ring_needs
+from wf_mesh.attention_ops import rank_segments
 from wf_mesh.context_parallel import GradRule, cp_mesh, gather_sequence, normalize_dim
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.load_balance import balance_by_work, coalesce, imbalance, rank_work
 from wf_mesh.masks import RangeMask
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh, parallel_mesh_or_none, register_extension
+from wf_mesh.ring_schedule import RingSkips, ring_needs
 from wf_mesh.topology import as_int
 
 __all__ = ["CPAttentionPlan", "plan_cp_attention"]
