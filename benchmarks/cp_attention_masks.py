@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import wf_mesh
 from wf_mesh.attention import cp_attention
-from wf_mesh.attention_ops import RingSkips, ring_needs
+from wf_mesh.ring_schedule import RingSkips, ring_needs
 from wf_mesh.load_balance import TARGET, balance_by_work, contiguous_segments, imbalance, rank_work
 from wf_mesh.testing import LocalCluster
 
