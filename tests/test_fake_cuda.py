@@ -4,7 +4,7 @@ process as rank 0 of 4. FakeTensorMode runs torch's CUDA kernels' shape, dtype a
 functions): no memory is used and no value is computed, so these tests pin WHICH kernel runs and WHAT it
 allocates, never a result (benchmarks/gpu_check.py checks values on a GPU).
 
-Asserted for every method (ring, ulysses, usp, allgather), causal + zigzag, grouped-query K/V and a key padding
+Asserted for every method (ring, ulysses, usp, allgather), causal + zigzag and a block-causal mask plan, grouped-query K/V and a key padding
 mask: the fused SDPA op that ran (flash without a mask, memory-efficient with one) and that no op produced a
 tensor with two non-broadcast dims of at least S_local (an S_local x S_local grid). The math kernel, the
 last resort, is shown to be caught by the same check. Autograd on fake CUDA tensors aborts a CPU-only build,
@@ -21,10 +21,12 @@ import torch
 from fake_cuda import fake_cuda, fake_process_group
 from torch.distributed.device_mesh import init_device_mesh
 
-from wf_mesh import attention_kernels
+from wf_mesh import agreement, attention_kernels
 from wf_mesh.attention import cp_attention
 from wf_mesh.attention_kernels import Kernel, attend, attend_backward
 from wf_mesh.attention_ops import RingAttention, RingPlan, rank_segments
+from wf_mesh.attention_plan import plan_cp_attention
+from wf_mesh.masks import RangeMask
 
 CP, S, HEADS, HEAD_DIM = 4, 8192, 16, 128
 FLASH = "aten._scaled_dot_product_flash_attention.default"
@@ -126,3 +128,22 @@ def test_ring_backward_on_fake_tensors(meshes):
     assert recorder.names("attention") == {FLASH_BACKWARD}
     assert recorder.names("c10d") >= {"c10d.send.default", "c10d.recv_.default"}
     assert recorder.quadratic(S) == []
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "usp", "allgather"])
+def test_a_mask_plan_runs_the_flash_kernel_per_piece_and_allocates_no_quadratic_tensor(method, meshes):
+    """A block-causal mask (16 frame chunks) on a work-balanced plan: every piece is a full or an aligned causal
+    pair, so the flash kernel runs with no position mask and nothing S_local x S_local is built."""
+    mesh = meshes["usp" if method == "usp" else "cp"]
+    agreement.set_checks(False)  # the plan's agreement is an exchange of real CPU tensors (none on fake ones)
+    try:
+        plan = plan_cp_attention(mask=RangeMask.block_causal([CP * S // 16] * 16), mesh=mesh)
+        n = plan.local_len
+        with fake_cuda() as recorder:
+            q, k = cuda(1, n, HEADS, HEAD_DIM), cuda(1, n, 4, HEAD_DIM)
+            out = cp_attention(q, k, k, method=method, layout="bshd", plan=plan)
+    finally:
+        agreement.set_checks(None)
+    assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda")
+    assert recorder.names("attention") == {FLASH}
+    assert recorder.quadratic(n) == []
