@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 import wf_mesh
 from wf_mesh.attention import cp_attention
-from wf_mesh.ring_schedule import RingSkips, ring_needs
 from wf_mesh.load_balance import TARGET, balance_by_work, contiguous_segments, imbalance, rank_work
+from wf_mesh.ring_schedule import RingSkips, ring_needs
 from wf_mesh.testing import LocalCluster
 
 from _report import at_most, format_rows, per_trial, ratio_row, write_json  # benchmarks/ is on sys.path

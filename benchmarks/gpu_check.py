@@ -5,7 +5,8 @@
 Needs a CUDA device (exits 2 with a message without one). All ranks share the one GPU: local processes on gloo
 (``wf_mesh.testing.LocalCluster``; NCCL wants a device per rank) with CUDA tensors on ``cuda:0``; world 1 is
 the block core alone (a ring of one). Per world size, method (ring, ulysses, usp at 4 as 2 x 2, allgather),
-dtype (bfloat16, float32) and mask (causal + zigzag with GQA; key padding with rows that see no key):
+dtype (bfloat16, float32) and mask (causal + zigzag with GQA; key padding with rows that see no key; a
+block-causal RangeMask of 8 chunks on its work-balanced plan, ``plan_cp_attention(mask=...)``):
 
 - forward and backward (dq, dk, dv) max abs errors against float64 SDPA on the full sequence, judged with
   the CPU suite's tolerances (fp32 1e-4 abs + rel with TF32 off, bf16 3e-2);
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import wf_mesh
 from wf_mesh.attention import cp_attention, zigzag_shard
 from wf_mesh.attention_kernels import choose_kernel
+from wf_mesh.masks import RangeMask
 from wf_mesh.testing import LocalCluster
 
 TOL = {"bfloat16": 3e-2, "float32": 1e-4}
@@ -53,11 +55,14 @@ def _inputs(seq: int, dtype: torch.dtype, seed: int = 0, device: str = "cuda"):
     return [x.to(dtype=dtype, device=device) for x in (q, k, v, dout)], pad.to(device)
 
 
-def _reference(q, k, v, dout, pad, causal):
-    """float64 SDPA on the full sequence: (out, dq, dk, dv); rows without keys give 0 (as the CP path does)."""
+def _reference(q, k, v, dout, pad, causal, mask=None):
+    """float64 SDPA on the full sequence: (out, dq, dk, dv); rows without keys give 0 (as the CP path does).
+    ``mask``: a RangeMask (its dense matrix; ``causal`` is then False)."""
     q, k, v = (x.double().detach().requires_grad_() for x in (q, k, v))
     allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
     allowed = allowed.tril() if causal else allowed
+    if mask is not None:
+        allowed = mask.dense().to(q.device)
     if pad is not None:
         allowed = allowed & pad.logical_not()[:, None, None, :]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).nan_to_num()
@@ -81,12 +86,16 @@ def check_world(seq: int, device: str = "cuda") -> list[dict]:
     for dtype_name in ("bfloat16", "float32"):
         dtype = getattr(torch, dtype_name)
         (q, k, v, dout), pad = _inputs(seq, dtype, device=device)
-        for mask in ("causal-zigzag-gqa", "padding"):
+        for mask in ("causal-zigzag-gqa", "padding", "block-causal-plan"):
             causal, padded = mask.startswith("causal"), mask == "padding"
-            want = _reference(q, k, v, dout, pad if padded else None, causal)
+            ranges = RangeMask.block_causal([seq // 8] * 8) if mask == "block-causal-plan" else None
+            plan = wf_mesh.plan_cp_attention(mask=ranges, mesh=pm) if ranges is not None else None
+            want = _reference(q, k, v, dout, pad if padded else None, causal, ranges)
             balance = "zigzag" if causal else None
 
-            def shard(x, dim, balance=balance):
+            def shard(x, dim, balance=balance, plan=plan):
+                if plan is not None:  # the work-balanced plan's tokens of this rank
+                    return plan.shard(x, dim)
                 if balance:
                     return zigzag_shard(x, dim, mesh=pm)
                 return wf_mesh.shard_sequence(x, dim, mesh=pm, as_dtensor=False)
@@ -102,7 +111,7 @@ def check_world(seq: int, device: str = "cuda") -> list[dict]:
                         method=method,
                         mesh=pm,
                         causal=causal,
-                        balance=balance,
+                        **({"plan": plan} if plan is not None else {"balance": balance}),
                         key_padding_mask=shard(pad, 1) if padded else None,
                     )
                     out.backward(shard(dout, 2))
