@@ -6,7 +6,8 @@ Needs a CUDA device (exits 2 with a message without one). All ranks share the on
 (``wf_mesh.testing.LocalCluster``; NCCL wants a device per rank) with CUDA tensors on ``cuda:0``; world 1 is
 the block core alone (a ring of one). Per world size, method (ring, ulysses, usp at 4 as 2 x 2, allgather),
 dtype (bfloat16, float32) and mask (causal + zigzag with GQA; key padding with rows that see no key; a
-block-causal RangeMask of 8 chunks on its work-balanced plan, ``plan_cp_attention(mask=...)``):
+block-causal RangeMask of 8 chunks on its work-balanced plan, ``plan_cp_attention(mask=...)``), and KV-cache
+decoding of 8 uneven chunks (``wf_mesh.KVCache``, forward only) against the dense block-causal mask:
 
 - forward and backward (dq, dk, dv) max abs errors against float64 SDPA on the full sequence, judged with
   the CPU suite's tolerances (fp32 1e-4 abs + rel with TF32 off, bf16 3e-2);
@@ -124,7 +125,38 @@ def check_world(seq: int, device: str = "cuda") -> list[dict]:
                 torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
                 row["ok"] = bool(verdict.item())
                 rows.append(row)
+    for dtype_name in ("bfloat16", "float32"):
+        rows.append(_kv_cache_row(seq, getattr(torch, dtype_name), dtype_name, device))
     return rows
+
+
+def _kv_cache_row(seq: int, dtype: torch.dtype, dtype_name: str, device: str) -> dict:
+    """KV-cache decoding (``wf_mesh.KVCache``) of 8 uneven chunks against SDPA with the dense block-causal mask."""
+    (q, k, v, _), _ = _inputs(seq, dtype, seed=2, device=device)
+    chunks = [seq // 8 + (1 if c % 2 else -1) for c in range(8)]
+    chunks[-1] += seq - sum(chunks)
+    row = {"world": torch.distributed.get_world_size(), "method": "kv_cache", "dtype": dtype_name}
+    row.update(mask="block-causal-decode", kernel=choose_kernel(q.device, dtype, HEAD_DIM, padded=False).kernel.value)
+    try:
+        cache = wf_mesh.KVCache(
+            layers=1, batch=BATCH, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, device=device
+        )
+        outputs, start = [], 0
+        with torch.no_grad():
+            for n in chunks:
+                step = cache.next_chunk(n)
+                mine = [step.shard(t[:, :, start : start + n], seq_dim=2) for t in (q, k, v)]
+                outputs.append(step.gather(step.attend(0, *mine), seq_dim=2))
+                start += n
+        want = _reference(q, k, v, torch.zeros_like(q), None, False, RangeMask.block_causal(chunks))[0]
+        err, ok = _error(torch.cat(outputs, dim=2), want, TOL[dtype_name])
+        row.update(fwd=err, bwd=math.nan, ok=ok)
+    except Exception as exc:  # reported in the table, judged wrong
+        row.update(fwd=math.nan, bwd=math.nan, ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
+    verdict = torch.tensor([int(row["ok"])])
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
+    row["ok"] = bool(verdict.item())
+    return row
 
 
 def _fwd_bwd_time_and_memory(seq: int, dtype: torch.dtype, force_math: bool) -> tuple[float, int, str]:

@@ -153,7 +153,7 @@ def test_gpu_check_refuses_cleanly_without_cuda(capsys):
 @pytest.mark.slow  # local clusters of 2 and 4 processes
 def test_gpu_check_value_checks_run_on_cpu():
     """The script a lent GPU runs, tried out on CPU (--device cpu): every method, dtype and mask (the mask plan
-    included) right at cp 4 (usp 2 x 2 too), so that the day a GPU is lent the script itself is known to work."""
+    included, and KV-cache decoding) right at cp 4 (usp 2 x 2 too), so that the day a GPU is lent the script itself is known to work."""
     script = BENCHMARKS / "gpu_check.py"
     done = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--seq", "32", "--world-sizes", "4"],
@@ -163,7 +163,11 @@ def test_gpu_check_value_checks_run_on_cpu():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
-    assert out.rstrip().endswith("24 of 24 cases right") and out.count("block-causal-plan") == 8
+    assert (
+        out.rstrip().endswith("26 of 26 cases right")
+        and out.count("block-causal-plan") == 8
+        and out.count("kv_cache") == 2
+    )
 
 
 # ---- every benchmark, quick, through the runner (one process tree per script) -------------------------
