@@ -127,7 +127,7 @@ def main() -> None:
     torch.set_num_threads(1)  # like every rank of the cluster
     dims = (1, 8, 2, 32) if args.quick else (1, 8, 2, 64)  # B, H, Hkv, D
     sizes, chunk, prefill = ((256, 1024), 32, 256) if args.quick else ((4096, 16384), 256, 2048)
-    iters, trials = (1, 3) if args.quick else (3, 7)
+    iters, trials = (1, 3) if args.quick else (3, 11)
     results: dict = {
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
