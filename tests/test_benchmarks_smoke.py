@@ -296,3 +296,40 @@ def test_the_mask_benchmark_runs_quick_through_the_runner(tmp_path):
     assert rows["cp 4 block-causal, contiguous: ring blocks skipped / all"]["ratio"] == 6 / 16
     assert rows["cp 4 block-causal, contiguous: ring K/V hops skipped / all"]["ratio"] == 6 / 12
     assert rows["cp 4 block-causal, contiguous: ring dK/dV messages skipped / all"]["ratio"] == 7 / 16
+
+
+@pytest.mark.slow  # 2 and 4 processes, 20-60 s
+def test_the_kv_cache_benchmark_runs_quick_through_the_runner(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", "kv_cache", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["failed"] == {} and list(data["results"]) == ["kv_cache"]
+    assert all(tuple(r) == report.ROW_KEYS and r["low"] <= r["ratio"] <= r["high"] for r in data["rows"])
+    rows = {r["measurement"]: r for r in data["rows"]}
+    expected = {}
+    for cp in (2, 4):
+        for cache in (256, 1024):
+            prefix = f"cp {cp}, cache {cache}, chunk 32:"
+            expected[f"{prefix} KVCache.attend / all-gather-the-cache baseline, one layer call"] = "<= 1.00"
+            expected[f"{prefix} bytes sent per rank per layer call, KVCache / baseline"] = "< 1"
+            expected[f"{prefix} contain_faults=True / off, KVCache.attend"] = "<= 1.05"
+        expected[f"cp {cp}: KVCache bytes sent per layer call, cache 1024 / cache 256"] = "= 1 (flat)"
+    assert {m: (r["target"], r["meets"]) for m, r in rows.items()} == {
+        m: (target, "not judged") for m, target in expected.items()
+    }
+    for cp in (2, 4):  # counts are exact even in a quick run: the cache's traffic does not grow with the cache
+        assert rows[f"cp {cp}: KVCache bytes sent per layer call, cache 1024 / cache 256"]["ratio"] == 1.0
+        small, large = (
+            rows[f"cp {cp}, cache {c}, chunk 32: bytes sent per rank per layer call, KVCache / baseline"]["ratio"]
+            for c in (256, 1024)
+        )
+        assert large < small < 1
+    raw = data["results"]["kv_cache"]["results"]
+    assert raw["cp"]["4"]["1024"]["lengths"] == [256, 256, 256, 256]
