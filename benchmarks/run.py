@@ -3,7 +3,7 @@
     python benchmarks/run.py [--quick] [--only topology,state] [--json PATH]
 
 Runs every ``benchmarks/<name>.py`` (the known ones first: topology, context_parallel, state, pipeline,
-cp_attention, kv_cache; then any other script not starting with ``_``), each as
+cp_attention, cp_attention_masks, kv_cache; then any other script not starting with ``_``), each as
 ``<name>.py --json <tmp> [--quick]`` in a process tree of its own, and reads the ratio rows each script writes in the one schema of ``_report.py``
 (``{benchmark, measurement, ratio, low, high, target, meets}``: the median of per-trial ratios, their spread,
 the docs/design.md section 10 target and whether the median meets it; ``--quick`` runs are "not judged"). A script's
@@ -34,7 +34,7 @@ from wf_mesh.process_tree import Interrupted, ProcessTree, interruptible  # noqa
 
 from _report import format_rows, read_rows  # noqa: E402 (needs the sys.path line above)
 
-KNOWN = ("topology", "context_parallel", "state", "pipeline", "cp_attention", "kv_cache")
+KNOWN = ("topology", "context_parallel", "state", "pipeline", "cp_attention", "cp_attention_masks", "kv_cache")
 """Benchmarks in the order they run; other scripts of the folder follow, by name."""
 
 TAIL = 20
