@@ -326,10 +326,6 @@ def mask_plan_misuse(kind):
             wf_mesh.plan_cp_attention(seq_len=8, mesh=pm, balance="work")
         elif kind == "neither":
             wf_mesh.plan_cp_attention(mesh=pm)
-        elif kind == "cp_attention_with_a_mask_plan":
-            plan = wf_mesh.plan_cp_attention(mask=bc, mesh=pm, balance=None)
-            q = sample((1, 2, plan.local_len, 8))
-            cp_attention(q, q, q, layout="bhsd", plan=plan)
         elif kind == "gather_wrong_length":  # rank 1 passes one token too many
             plan = wf_mesh.plan_cp_attention(mask=wf_mesh.RangeMask.block_causal([2, 2, 2, 2, 8]), mesh=pm)
             plan.gather(sample((1, plan.local_len + rank, 3)), 1)
@@ -354,7 +350,6 @@ MASK_PLAN_ERRORS = {
         r"balance='work': use None or 'zigzag' \(balance='work' balances a mask: pass mask=\)",
     ),
     "neither": (TypeError, r"plan_cp_attention needs seq_len or mask"),
-    "cp_attention_with_a_mask_plan": (NotImplementedError, r"cp_attention does not evaluate a RangeMask yet"),
     "gather_wrong_length": (ShapeMismatchError, r"plan.gather: .*shard lengths \[\d+, \d+\]\): gather_sequence"),
     "shard_wrong_length": (ShapeMismatchError, r"plan.shard: x holds 15 tokens along dim 1, the plan's seq_len is 16"),
 }

@@ -75,6 +75,7 @@ rank receives exactly the K/V heads its query heads use), which costs K/V traffi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal, get_args
 
@@ -92,6 +93,7 @@ from wf_mesh.attention_ops import (
     HeadsToSeq,
     RingAttention,
     RingPlan,
+    Segment,
     SeqToHeads,
     concat_segments,
     gather_kv_op,
@@ -103,15 +105,18 @@ from wf_mesh.attention_ops import (
     rank_segments,
     register_ring_plan,
     ring_attention_op,
+    ring_last_steps,
+    ring_needs,
     seq_to_heads_op,
     zigzag_segments,
 )
-from wf_mesh.attention_plan import BALANCES, METHODS, CPAttentionPlan, MeshArg, dtensor_plan, planned
+from wf_mesh.attention_plan import BALANCES, MASK_BALANCES, METHODS, CPAttentionPlan, MeshArg, dtensor_plan, planned
 from wf_mesh.attention_plan import cp_of as _cp_of
 from wf_mesh.attention_plan import usp_axes as _usp_axes
 from wf_mesh.context_parallel import _contiguous_stride as contiguous_stride
 from wf_mesh.context_parallel import normalize_dim, sequence_dtensor
 from wf_mesh.errors import ShapeMismatchError
+from wf_mesh.masks import RangeMask
 from wf_mesh.mesh import device_mesh_ranks, get_parallel_mesh
 from wf_mesh.sizing import chunk_sizes
 
@@ -144,7 +149,7 @@ class _AttentionCall(Facts):
     local_len: int
     method: str = fact(choices=METHODS)  # fact() fields after the plain ones (dataclass default order)
     layout: str = fact(choices=LAYOUTS)
-    balance: str | None = fact(choices=BALANCES)
+    balance: str | None = fact(choices=MASK_BALANCES)
     mask: bool = fact(label="key_padding_mask presence")
     q_heads: int = fact(label="query heads")
     kv_heads: int = fact(label="kv heads")
@@ -169,8 +174,15 @@ def _validate(q, k, v, pad, method, layout, causal, scale, balance, mesh, group_
         raise ValueError(f"method={method!r}: use one of {list(METHODS)}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: use one of {list(LAYOUTS)}")
-    if balance not in BALANCES:
+    masked = plan is not None and plan.mask is not None
+    if balance not in (MASK_BALANCES if masked else BALANCES):
         raise ValueError(f"balance={balance!r}: use None or 'zigzag'")
+    if masked and causal:
+        raise ValueError(
+            f"cp_attention: causal=True with a mask plan (plan_cp_attention(mask={plan.mask!r})): the mask says "
+            "which keys each query sees; pass causal=False (a token-causal pattern is a RangeMask, e.g. "
+            "RangeMask.packed(lengths, causal=True))"
+        )
     tensors = (q, k, v, pad)
     if isinstance(q, DTensor):
         tensors = _unwrap(*tensors, layout, balance, mesh, group_mesh)
@@ -327,7 +339,7 @@ def cp_attention(
             else:
                 lengths = chunk_sizes(q.shape[seq_dim], group_mesh.size())
                 _check_dtensor_len(call.local_len, lengths, group_mesh.get_local_rank())
-    out = _run(call, group_mesh, lengths)
+    out = _run(call, group_mesh, lengths, plan)
     if not isinstance(q, DTensor):
         return out
     global_shape = list(out.shape)
@@ -389,6 +401,11 @@ def _check_local(q, k, v, pad, layout) -> None:
 def _unwrap(q, k, v, pad, layout, balance, mesh, group_mesh):
     """Local tensors of DTensor inputs, after checking their placement (the layout's sequence dim) and mesh."""
     seq_dim = _SEQ_DIM[layout]
+    if balance == "work":
+        raise ValueError(
+            "DTensor inputs are torch.chunk shards (Shard), a work-balanced plan's shards are not: pass plain "
+            "tensors from plan.shard(x, seq_dim) (and plan.gather the output), or build the plan with balance=None"
+        )
     if balance is not None:
         raise ValueError("DTensor inputs are torch.chunk shards (Shard); zigzag shards must be plain tensors")
     q_ranks = device_mesh_ranks(q.device_mesh)
@@ -434,17 +451,35 @@ class _MethodPlan:
     kv_repeat: int = 1
 
 
-def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kernel) -> _MethodPlan:
-    """The :class:`_MethodPlan` of an agreed call on ``cp`` (pure arithmetic, no communication)."""
+def _plan(
+    call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kernel, layout: CPAttentionPlan | None = None
+) -> _MethodPlan:
+    """How an agreed call on ``cp`` runs (pure arithmetic, no communication).
+
+    Args:
+        call: the agreed call.
+        cp: the cp mesh.
+        lengths: every cp rank's shard length.
+        kernel: the local attention kernel.
+        layout: the call's plan, if any: with a mask, its segments and mask are what the call follows.
+
+    Returns:
+        The :class:`_MethodPlan`.
+    """
     n, me, total = len(lengths), cp.get_local_rank(), sum(lengths)
-    segments = rank_segments(total, n, call.balance)
+    mask = layout.mask if layout is not None else None
+    if mask is not None and layout is not None:
+        segments = _plan_segments(layout.segments)
+    else:
+        segments = rank_segments(total, n, call.balance)
     causal, scale = call.causal, call.scale
+    positional = causal or mask is not None
     if call.method == "allgather":
         longest = max(lengths)
-        kv_segments = concat_segments(segments, [c * longest for c in range(n)], causal)
+        kv_segments = concat_segments(segments, [c * longest for c in range(n)], positional)
         verdict = cp.get_group().group_name
         core = RingPlan(None, 0, segments[me], [kv_segments], [n * longest], causal, scale, kernel, verdict)
-        return _MethodPlan(core, gather=cp.get_group(), gather_longest=longest)
+        return _MethodPlan(_masked(core, mask), gather=cp.get_group(), gather_longest=longest)
     ring: DeviceMesh | None
     uly: DeviceMesh | None
     if call.method == "usp":
@@ -456,13 +491,14 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kern
     r, ring_size = me // u, n // u
     ring_lengths = [sum(lengths[i * u : (i + 1) * u]) for i in range(ring_size)]
     ring_segments = [
-        concat_segments(segments[i * u : (i + 1) * u], [sum(lengths[i * u : i * u + x]) for x in range(u)], causal)
+        concat_segments(segments[i * u : (i + 1) * u], [sum(lengths[i * u : i * u + x]) for x in range(u)], positional)
         for i in range(ring_size)
     ]
     group = ring.get_group() if ring is not None and ring_size > 1 else None
     core = RingPlan(
         group, r, ring_segments[r], ring_segments, ring_lengths, causal, scale, kernel, cp.get_group().group_name
     )
+    core = _masked(core, mask)
     if uly is None or u == 1:
         return _MethodPlan(core)
     return _MethodPlan(
@@ -473,14 +509,58 @@ def _plan(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], kernel: Kern
     )
 
 
-def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int]) -> torch.Tensor:
-    """The output shard of an agreed call, in its layout."""
+def _plan_segments(intervals: tuple[tuple[tuple[int, int], ...], ...]) -> list[list[Segment]]:
+    """A plan's per-rank global intervals as segments of each rank's shard (plan order)."""
+    out = []
+    for spans in intervals:
+        offsets = [0]
+        for a, b in spans:
+            offsets.append(offsets[-1] + b - a)
+        out.append([Segment(o, a, b - a) for o, (a, b) in zip(offsets, spans)])
+    return out
+
+
+def _masked(core: RingPlan, mask: RangeMask | None) -> RingPlan:
+    """``core`` evaluating ``mask`` (its pieces per block, how far each block travels); ``core`` if no mask."""
+    if mask is None:
+        return core
+    pieces, last_steps = _mask_core(
+        mask, tuple(core.q_segments), tuple(tuple(b) for b in core.kv_segments), core.group is not None
+    )
+    return dataclasses.replace(core, mask=pieces, last_steps=last_steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_core(mask: RangeMask, q_segments, kv_segments, ring: bool):
+    """What a RingPlan needs of ``mask`` (cached: every layer of every step asks the same).
+
+    Returns:
+        ``(per block, the mask's pieces within this rank's queries x its keys; a ring: each block's last step,
+        else ())``.
+    """
+    pieces = tuple(
+        tuple(
+            p
+            for qs in q_segments
+            for ks in block
+            for p in mask.block_pieces(qs.start, qs.start + qs.length, ks.start, ks.start + ks.length)
+        )
+        for block in kv_segments
+    )
+    if not ring:
+        return pieces, ()
+    blocks = [[(s.start, s.start + s.length) for s in block] for block in kv_segments]
+    return pieces, ring_last_steps(ring_needs(mask, blocks))
+
+
+def _run(call: _AttentionCall, cp: DeviceMesh, lengths: list[int], layout: CPAttentionPlan | None) -> torch.Tensor:
+    """The output shard of an agreed call, in its layout (``layout``: the call's plan, if any)."""
     q, k, v, pad = call.tensors
     seq_major = call.layout == "bshd"
     if seq_major:  # the engine works on (B, H, S, D) views
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     kernel = choose_kernel(q.device, q.dtype, call.head_dim, padded=pad is not None).kernel
-    plan = _plan(call, cp, lengths, kernel)
+    plan = _plan(call, cp, lengths, kernel, layout)
     if plan.gather is not None:
         k, v = GatherKV.apply(k, v, plan.gather, plan.gather_longest)
         if pad is not None:
@@ -600,7 +680,7 @@ def _compiled_moves(plan_key, method, layout, causal, scale, balance, shapes, dt
         call = _validate(mq, mk, mv, mpad, method, layout, causal, scale, balance, plan.source, plan.mesh, plan)
         plan.check_local_len(call.local_len)
         kernel = choose_kernel(torch.device(device), call.dtype, call.head_dim, padded=call.mask).kernel
-        moves = _plan(call, plan.mesh, list(plan.lengths), kernel)
+        moves = _plan(call, plan.mesh, list(plan.lengths), kernel, plan)
     if moves.gather is not None:
         return register_ring_plan(moves.core), moves.gather.group_name, moves.gather_longest, "", (), 1
     ulysses = "" if moves.ulysses is None else moves.ulysses.group_name

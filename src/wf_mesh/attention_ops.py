@@ -2,11 +2,15 @@
 
 - which global positions each rank's shard holds (:func:`rank_segments`, contiguous or zigzag);
 - which (query rows, key block) pairs each ring step computes (:meth:`RingPlan.pairs`: only unmasked pairs
-  and aligned causal squares), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its log-sum-exp
+  and aligned causal squares; under a :class:`~wf_mesh.RangeMask` the mask's pieces within the block, full
+  pieces merged by :func:`merge_full_pieces`, fully masked blocks not computed), each on the kernel :mod:`wf_mesh.attention_kernels` chose (its log-sum-exp
   out, and a backward given the merged output and log-sum-exp of the whole key range), partial results
   merged by :func:`merge_partial` (online softmax) in the accumulation dtype (fp32; float64 for float64);
 - the ring over K/V blocks as an autograd Function (:class:`RingAttention`): the next block travels while
-  this one is computed, dK/dV travel back to their owners; a ring of one is plain blockwise attention;
+  this one is computed, dK/dV travel back to their owners; a ring of one is plain blockwise attention. Under
+  a mask a block travels only as far as the last ring rank that needs it (:func:`ring_last_steps`, from the
+  plan alone: every rank computes the same hops), and its dK/dV go from that rank straight to the owner
+  (:class:`RingSkips` counts what is skipped);
 - the moves between sequence and head shards (:class:`SeqToHeads`, :class:`HeadsToSeq`: one all-to-all
   each) and the all-gather baseline (:class:`GatherKV`).
 """
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from wf_mesh import waits
 from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
 from wf_mesh.faults import FaultSequence
+from wf_mesh.masks import Range, RangeMask
 from wf_mesh.sizing import chunk_sizes
 
 __all__ = [
@@ -31,12 +36,16 @@ __all__ = [
     "HeadsToSeq",
     "RingAttention",
     "RingPlan",
+    "RingSkips",
     "Segment",
     "SeqToHeads",
     "concat_segments",
     "gather_mask",
     "gather_mask_padded",
+    "merge_full_pieces",
     "rank_segments",
+    "ring_last_steps",
+    "ring_needs",
     "zigzag_segments",
 ]
 
@@ -114,6 +123,91 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part
     lse.copy_(new)
 
 
+# ---- masks: which blocks each ring rank needs, how far a block travels -----------------------------------
+Interval = tuple[int, int]
+Piece = tuple[int, int, int, int, bool]
+"""``(row start, row end, column start, column end, causal)`` of a local block: one kernel call."""
+
+
+def merge_full_pieces(pieces: Sequence[Piece]) -> list[Piece]:
+    """Join full pieces whose union is a rectangle (same columns and touching rows, or same rows and touching
+    columns) until none is left to join: fewer, larger kernel calls. Causal pieces are kept as they are.
+
+    Returns:
+        The pieces, sorted (disjoint if the input pieces are).
+    """
+    full = [p for p in pieces if not p[4]]
+    changed = True
+    while changed and len(full) > 1:
+        changed = False
+        for key in (lambda p: (p[2], p[3], p[0]), lambda p: (p[0], p[1], p[2])):
+            out: list[Piece] = []
+            for p in sorted(full, key=key):
+                last = out[-1] if out else None
+                if last is not None and (last[2], last[3]) == (p[2], p[3]) and last[1] == p[0]:
+                    out[-1] = (last[0], p[1], p[2], p[3], False)
+                elif last is not None and (last[0], last[1]) == (p[0], p[1]) and last[3] == p[2]:
+                    out[-1] = (p[0], p[1], last[2], p[3], False)
+                else:
+                    out.append(p)
+                    continue
+                changed = True
+            full = out
+    return sorted(full + [p for p in pieces if p[4]])
+
+
+def ring_needs(mask: RangeMask, blocks: Sequence[Sequence[Interval]]) -> list[list[bool]]:
+    """``needs[i][j]``: whether ring rank i's queries (the positions of its block ``blocks[i]``) see any key of
+    block j under ``mask`` (pure arithmetic, the same on every rank).
+
+    Returns:
+        The ``R x R`` matrix.
+    """
+    return [[bool(q and kv) and mask.count(list(q), list(kv)) > 0 for kv in blocks] for q in blocks]
+
+
+def ring_last_steps(needs: Sequence[Sequence[bool]]) -> tuple[int, ...]:
+    """Per block j, the last ring step at which a rank needs it: block j is at ring rank ``j + t`` at step t, so
+    it travels ``last_steps[j]`` hops (0: only its owner attends to it, it does not travel).
+
+    Returns:
+        The last step of every block.
+    """
+    n = len(needs)
+    return tuple(max((t for t in range(n) if needs[(j + t) % n][j]), default=0) for j in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSkips:
+    """What a ring over a mask skips, summed over all ring ranks (``*_skipped`` of ``*`` in all)."""
+
+    blocks: int
+    """(query rank, K/V block) pairs: ``R * R``."""
+    blocks_skipped: int
+    """Pairs with no unmasked (query, key) pair: not computed, forward or backward."""
+    kv_hops: int
+    """K/V block hops of a full ring: ``R * (R - 1)``."""
+    kv_hops_skipped: int
+    """Hops not sent: past the last ring rank that needs the block."""
+    dkv_messages: int
+    """dK/dV messages of a full ring's backward: ``R * R`` (each block's back to its owner included)."""
+    dkv_messages_skipped: int
+    """dK/dV messages not sent: a block's go from the last rank that needs it straight to its owner."""
+
+    @classmethod
+    def of(cls, needs: Sequence[Sequence[bool]]) -> RingSkips:
+        """The counts of a ring with ``needs`` (:func:`ring_needs`).
+
+        Returns:
+            The counts.
+        """
+        n = len(needs)
+        last = ring_last_steps(needs)
+        sent = sum(x + 1 for x in last if x)
+        skipped = sum(not x for row in needs for x in row)
+        return cls(n * n, skipped, n * (n - 1), n * (n - 1) - sum(last), n * n, n * n - sent)
+
+
 # ---- the ring core (also the local attention of ulysses and allgather: a ring of one) -------------------
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
@@ -128,20 +222,36 @@ class RingPlan:
     scale: float
     kernel: Kernel
     verdict: str = ""  # the name of the group every rank of the call is in: where a contained failure is told
+    mask: tuple[tuple[Range, ...], ...] | None = None
+    """Under a RangeMask: per block j, the mask's pieces within this rank's queries x block j's keys (global
+    positions, each inside one query and one key segment); None: no mask (``causal`` says the pattern)."""
+    last_steps: tuple[int, ...] = ()
+    """Per block, the last ring step a rank needs it (:func:`ring_last_steps`); empty: every block travels the
+    whole ring."""
 
     @property
     def size(self) -> int:
         """The number of ring ranks (K/V blocks)."""
         return len(self.kv_lengths)
 
+    def last_step(self, j: int) -> int:
+        """The last ring step at which block j is needed (it travels that many hops)."""
+        return self.last_steps[j] if self.last_steps else self.size - 1
+
     def pairs(self, j: int) -> Iterator[tuple[slice, slice, bool]]:
         """``(query rows, key rows, causal)`` for the query segments against block j: causal pairs are cut
         into keys every query sees (unmasked) and the square where query and key positions coincide (the
         kernels' causal mode); keys that follow every query are left out. So no pair needs a position mask.
 
+        Under a mask: the mask's pieces within the block (full pieces merged), none for a fully masked block.
+
         Yields:
             ``(query rows, key rows, causal)`` slices of one pair.
         """
+        if self.mask is not None:
+            for r0, r1, c0, c1, causal in merge_full_pieces([self._local(p, j) for p in self.mask[j]]):
+                yield slice(r0, r1), slice(c0, c1), causal
+            return
         if not self.causal:
             for ks in self.kv_segments[j]:
                 yield slice(None), slice(ks.offset, ks.offset + ks.length), False
@@ -163,6 +273,13 @@ class RingPlan:
                 yield slice(qs.offset + lo - qs.start, qs.offset + hi - qs.start), keys, True
                 if hi < q_end:  # queries after the square see all of its keys
                     yield slice(qs.offset + hi - qs.start, qs.offset + qs.length), keys, False
+
+    def _local(self, p: Range, j: int) -> Piece:
+        """Piece ``p`` (global positions) as local rows of q and local rows of block j."""
+        qs = next(s for s in self.q_segments if s.start <= p.q_start < s.start + s.length)
+        ks = next(s for s in self.kv_segments[j] if s.start <= p.k_start < s.start + s.length)
+        r0, c0 = qs.offset + p.q_start - qs.start, ks.offset + p.k_start - ks.start
+        return r0, r0 + p.q_end - p.q_start, c0, c0 + p.k_end - p.k_start, p.kind == "causal"
 
 
 def _wire_order(ndim: int) -> list[int]:
@@ -201,40 +318,66 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
     return x.permute(_wire_order(x.ndim)).contiguous()
 
 
+Send = tuple[int, Sequence[torch.Tensor | None]]
+"""``(ring rank, tensors)`` to send."""
+Recv = tuple[int, Sequence[torch.Tensor | None], int, torch.dtype | None]
+"""``(ring rank, tensors shaped like the block, its length, dtype or None: the template's)`` to receive."""
+
+
 class _Hop:
-    """One ring hop in flight: ``send`` to the next ring rank, ``recv`` filled from the previous one.
+    """The messages of one ring step in flight: ``sends`` and ``recvs`` (in this order, the same on every rank,
+    so that each pair of ranks matches them alike).
 
     Empty tensors travel nowhere (the peer sizes its buffer from the same agreed lengths). The sent
     tensors are referenced until :meth:`wait`, and nothing afterwards, so a block lives no longer than needed.
     """
 
-    def __init__(self, plan: RingPlan, send: Sequence[torch.Tensor | None], j: int) -> None:
+    def __init__(self, plan: RingPlan, sends: Sequence[Send], recvs: Sequence[Recv]) -> None:
         group = plan.group
         if group is None:
             raise ValueError("a ring hop needs the ring's process group (RingPlan.group is None: a ring of one)")
-        n, i = group.size(), group.rank()
-        self.recv = tuple(None if t is None else _empty_block(t, plan.kv_lengths[j]) for t in send)
+        self.recv = [
+            tuple(None if t is None else _empty_block(t, length, dtype) for t in like)
+            for _, like, length, dtype in recvs
+        ]
         ops = [
             dist.P2POp(op, _wire(t), group=group, group_peer=peer)
-            for op, peer, tensors in ((dist.isend, (i + 1) % n, send), (dist.irecv, (i - 1) % n, self.recv))
+            for op, messages in ((dist.isend, sends), (dist.irecv, list(zip((r[0] for r in recvs), self.recv))))
+            for peer, tensors in messages
             for t in tensors
             if t is not None and t.numel()
         ]
         self.requests = dist.batch_isend_irecv(ops) if ops else []
         self.ops, self.group = ops, group
 
-    def wait(self) -> tuple[Any, ...]:
-        """The received tensors, in the order sent (None where None was sent)."""
+    def wait(self) -> list[tuple[Any, ...]]:
+        """The received tensors, per receive in the order given (None where the template was None)."""
         with waits.bounded(self.group, "cp_attention ring hop"):
             for request in self.requests:
                 request.wait()
         recv = self.recv
-        self.requests, self.ops, self.recv = [], [], ()
+        self.requests, self.ops, self.recv = [], [], []
         return recv
+
+
+def _kv_hop(plan: RingPlan, t: int, block, like) -> tuple[_Hop | None, bool]:
+    """The K/V hop after step t: this rank's block (if it still travels) to the next ring rank, the next
+    block (if it reaches this rank) from the previous one; decided from the plan alone.
+
+    Returns:
+        ``(the hop or None, whether it receives a block)``.
+    """
+    n, i = plan.size, plan.index
+    j, nxt = (i - t) % n, (i - t - 1) % n
+    sends: list[Send] = [((i + 1) % n, block)] if block is not None and t < plan.last_step(j) else []
+    recvs: list[Recv] = [((i - 1) % n, like, plan.kv_lengths[nxt], None)] if t < plan.last_step(nxt) else []
+    return (_Hop(plan, sends, recvs) if sends or recvs else None), bool(recvs)
 
 
 def _forward_block(q, block, j, plan: RingPlan, out, lse) -> None:
     """Fold q's attention to ring block j into ``(out, lse)`` (a function, so that no local outlives it)."""
+    if block is None:  # the block did not travel this far: no rank from here on needs it
+        return
     bk, bv, bpad = block
     for rows, cols, causal in plan.pairs(j):
         qq, kk = q[:, :, rows], bk[:, :, cols]
@@ -246,6 +389,8 @@ def _forward_block(q, block, j, plan: RingPlan, out, lse) -> None:
 
 def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> None:
     """Add ring block j's share of the gradients to ``dq`` and block j's ``dk``, ``dv`` (accumulation dtype)."""
+    if block is None:
+        return
     bk, bv, bpad = block
     for rows, cols, causal in plan.pairs(j):
         qq, kk = q[:, :, rows], bk[:, :, cols]
@@ -269,7 +414,8 @@ def _backward_block(dout, q, out, lse, block, j, plan: RingPlan, dq, dk, dv) -> 
 
 
 def ring_forward(q, k, v, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q against every ring rank's k, v block; the next block travels while this one is computed.
+    """Attention of q against every ring rank's k, v block; the next block travels while this one is computed
+    (under a mask only as far as the last ring rank that needs it).
 
     Returns:
         ``(out, lse)``: out in q's dtype, lse in the accumulation dtype.
@@ -277,14 +423,15 @@ def ring_forward(q, k, v, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tens
     acc = accumulation_dtype(q.dtype)
     out = torch.zeros_like(q, dtype=acc)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
-    block = (k, v, pad)
+    block: tuple | None = (k, v, pad)
     seq, step = FaultSequence(plan.verdict or None, "cp_attention"), _step_name(plan)
     for t in range(plan.size):
         j = (plan.index - t) % plan.size
-        hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
+        hop, comes = _kv_hop(plan, t, block, (k, v, pad)) if t + 1 < plan.size else (None, False)
         seq.step((step, t + 1, plan.size), _forward_block, q, block, j, plan, out, lse)
-        if hop is not None:
-            block = hop.wait()
+        got = hop.wait() if hop is not None else []
+        block = got[0] if comes else None
+        del got
     seq.close()
     return out.to(q.dtype), lse
 
@@ -296,34 +443,71 @@ def _step_name(plan: RingPlan, backward: str = "") -> str:
 
 def ring_backward(dout, q, k, v, out, lse, pad, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`ring_forward` (no recomputation: it takes out and lse), dK/dV travelling the
-    ring back to their owners in the accumulation dtype.
+    ring back to their owners in the accumulation dtype: block j's from its owner along the ranks that hold
+    it, and from the last of them (``last_step(j)``) straight back to the owner.
 
     Returns:
         ``(dq, dk, dv)`` in the dtypes of q, k, v.
     """
     acc = accumulation_dtype(q.dtype)  # also of the travelling dK/dV: every ring rank sends and sizes alike
+    n, i = plan.size, plan.index
     dq = torch.zeros_like(q, dtype=acc)
-    block, dkv_hop = (k, v, pad), None
+    block: tuple | None = (k, v, pad)
+    dkv_hop: _Hop | None = None
+    kinds: list[str] = []  # what dkv_hop receives: "chain" (this step's block) and/or "own" (the final dK/dV)
+    mine: tuple | None = None  # this rank's own block's final dK/dV
     seq, step = FaultSequence(plan.verdict or None, "cp_attention backward"), _step_name(plan, " backward")
-    for t in range(plan.size):
-        j = (plan.index - t) % plan.size
-        kv_hop = _Hop(plan, block, (j - 1) % plan.size) if t + 1 < plan.size else None
-        dk = _empty_block(block[0], block[0].shape[2], acc, zero=True)  # in the wire layout: they travel
-        dv = _empty_block(block[1], block[1].shape[2], acc, zero=True)
-        seq.step((step, t + 1, plan.size), _backward_block, dout, q, out, lse, block, j, plan, dq, dk, dv)
-        if dkv_hop is not None:  # block j's dK/dV from the ranks before this one
-            got_dk, got_dv = dkv_hop.wait()
-            dk += got_dk
-            dv += got_dv
-            del got_dk, got_dv
-        if plan.size > 1:  # to the next rank; after the last step that is block j's owner
-            dkv_hop = _Hop(plan, (dk, dv), (j - 1) % plan.size)
-        if kv_hop is not None:
-            block = kv_hop.wait()
+    for t in range(n):
+        j, last = (i - t) % n, plan.last_step((i - t) % n)
+        kv_hop, comes = _kv_hop(plan, t, block, (k, v, pad)) if t + 1 < n else (None, False)
+        dk = dv = None
+        if block is not None:  # in the wire layout: they travel
+            dk = _empty_block(block[0], block[0].shape[2], acc, zero=True)
+            dv = _empty_block(block[1], block[1].shape[2], acc, zero=True)
+        seq.step((step, t + 1, n), _backward_block, dout, q, out, lse, block, j, plan, dq, dk, dv)
+        if dkv_hop is not None:  # block j's dK/dV from the ranks before this one; maybe this rank's own
+            mine = _fold_dkv(dkv_hop, kinds, dk, dv, mine)
+        sends: list[Send] = []
+        if block is not None:
+            if last == 0:  # only the owner needs it: its dK/dV stay here
+                mine = (dk, dv)
+            else:  # on to the next rank holding the block; from the last one, back to the owner
+                sends.append(((i + 1) % n if t < last else (i - t) % n, (dk, dv)))
+        recvs: list[Recv] = []
+        kinds = []
+        if t + 1 < n and t < plan.last_step((i - 1 - t) % n):
+            recvs.append(((i - 1) % n, (k, v), plan.kv_lengths[(i - 1 - t) % n], acc))
+            kinds.append("chain")
+        if t == plan.last_step(i) and t > 0:
+            recvs.append(((i + t) % n, (k, v), plan.kv_lengths[i], acc))
+            kinds.append("own")
+        dkv_hop = _Hop(plan, sends, recvs) if sends or recvs else None
+        del dk, dv
+        got = kv_hop.wait() if kv_hop is not None else []
+        block = got[0] if comes else None
+        del got
     if dkv_hop is not None:
-        dk, dv = dkv_hop.wait()
+        mine = _fold_dkv(dkv_hop, kinds, None, None, mine)
     seq.close()
+    assert mine is not None
+    dk, dv = mine
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fold_dkv(hop: _Hop, kinds: list[str], dk, dv, mine):
+    """Wait for ``hop``'s dK/dV: a "chain" one is added to this step's ``dk``, ``dv``; an "own" one is this
+    rank's final dK/dV.
+
+    Returns:
+        This rank's own final dK/dV, as received or ``mine`` as it was.
+    """
+    for kind, got in zip(kinds, hop.wait()):
+        if kind == "own":
+            mine = got
+        else:
+            dk += got[0]
+            dv += got[1]
+    return mine
 
 
 class RingAttention(torch.autograd.Function):
@@ -472,7 +656,18 @@ def register_ring_plan(plan: RingPlan) -> str:
     """The key of ``plan`` for :func:`ring_attention_op`."""
     group = "" if plan.group is None else plan.group.group_name
     key = repr(
-        (group, plan.index, plan.q_segments, plan.kv_segments, plan.kv_lengths, plan.causal, plan.scale, plan.verdict)
+        (
+            group,
+            plan.index,
+            plan.q_segments,
+            plan.kv_segments,
+            plan.kv_lengths,
+            plan.causal,
+            plan.scale,
+            plan.verdict,
+            plan.mask,
+            plan.last_steps,
+        )
     )
     key = f"{key}/{plan.kernel.value}"
     _RING_PLANS[key] = (dataclasses.replace(plan, group=None), group)

@@ -24,8 +24,9 @@ unmasked (query, key) pairs (:mod:`wf_mesh.load_balance`: whole chunks by greedy
     local = plan.shard(x, 1)                                  # this rank's tokens, plan order, no collective
     y = plan.gather(model(local), 1)                          # the global order again (autograd-aware)
 
-``plan.segments`` says which global intervals each rank holds. ``cp_attention`` does not evaluate a mask yet
-(issue 19, item 3): it refuses a mask plan rather than attend without the mask.
+``plan.segments`` says which global intervals each rank holds. ``cp_attention(q, k, v, plan=plan)`` on
+these shards evaluates the mask from global positions (:mod:`wf_mesh.attention`); ``plan.ring_skips()``
+counts the blocks, K/V hops and dK/dV messages a ring over it skips.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from wf_mesh import _compat
 from wf_mesh.agreement import Facts, agree, fact
-from wf_mesh.attention_ops import rank_segments
+from wf_mesh.attention_ops import RingSkips, rank_segments, ring_needs
 from wf_mesh.context_parallel import GradRule, cp_mesh, gather_sequence, normalize_dim
 from wf_mesh.errors import ShapeMismatchError
 from wf_mesh.load_balance import balance_by_work, coalesce, imbalance, rank_work
@@ -162,20 +163,37 @@ class CPAttentionPlan:
         """Raise ShapeMismatchError (on this rank) unless ``local_len`` is this rank's planned shard length.
 
         Raises:
-            NotImplementedError: a plan with a mask (cp_attention does not evaluate masks yet).
             ShapeMismatchError: another length.
         """
-        if self.mask is not None:
-            raise NotImplementedError(
-                f"{what} does not evaluate a RangeMask yet (issue 19, item 3): this plan was balanced for "
-                f"{self.mask!r}; use plan.shard / plan.gather around attention that applies the mask"
-            )
         if local_len != self.lengths[self.rank]:
             raise ShapeMismatchError(
                 f"{what}: this rank's shard holds {local_len} tokens but the plan gives cp rank {self.rank} "
                 f"{self.lengths[self.rank]} (seq_len={self.seq_len}, balance={self.balance!r}, shard lengths "
                 f"{list(self.lengths)})"
             )
+
+    def ring_skips(self, ring_size: int | None = None) -> RingSkips:
+        """What a ring over this plan's mask skips (blocks not computed, K/V hops and dK/dV messages not sent),
+        summed over the ring ranks: ``ring_size`` ranks (default: the cp size, method ``"ring"``; usp: the
+        ``cp_ring`` size), each holding the shards of ``cp / ring_size`` consecutive cp ranks.
+
+        Returns:
+            The counts (a plan without a mask skips only empty blocks).
+
+        Raises:
+            ValueError: a ``ring_size`` that does not divide the cp size.
+        """
+        n = len(self.lengths)
+        size = n if ring_size is None else as_int("ring_size", ring_size, minimum=1)
+        if n % size:
+            raise ValueError(f"ring_size={size} does not divide the cp size {n}")
+        u = n // size
+        blocks = [[iv for r in range(i * u, (i + 1) * u) for iv in self.segments[r]] for i in range(size)]
+        if self.mask is None:
+            needs = [[bool(q) and bool(kv) for kv in blocks] for q in blocks]
+        else:
+            needs = ring_needs(self.mask, blocks)
+        return RingSkips.of(needs)
 
     def shard(self, x: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """This rank's tokens of the global ``x``: its :attr:`segments` along ``seq_dim``, in plan order.
@@ -300,7 +318,7 @@ def plan_cp_attention(
             with a mask ``"work"`` (:func:`wf_mesh.load_balance.balance_by_work`); ``"auto"``: ``"work"`` with a
             mask, else None.
         mask: a :class:`~wf_mesh.RangeMask`: the plan balances its unmasked pairs over the ranks
-            (:attr:`CPAttentionPlan.imbalance`); ``cp_attention`` does not take such a plan yet.
+            (:attr:`CPAttentionPlan.imbalance`); ``cp_attention(..., plan=plan)`` evaluates it.
 
     Returns:
         The plan: every rank's shard length and segments, the balance, the cp mesh and its usp axes.
