@@ -4,6 +4,13 @@ training at every world size and cp method (the tolerances and helpers of tests/
 
 Shapes: 8 frames of 4 x 4 latents (16 tokens a frame, 128 a sample), so that ``--chunk-frames 1`` / ``2`` give
 8 / 4 chunks and a balanced plan has whole chunks to deal.
+
+Tolerance: losses and gradient norms as the unmasked runs (measured <= 2.0e-7 relative, bound 2e-6); weights
+and EMA ``MASK_WEIGHT_ATOL`` 3e-5. Measured: every weight within 5e-7 of the single-process run but ONE element
+in some runs (blocks.0.mlp.0.weight 9.4e-6 at cp 4 allgather, blocks.1.mlp.2.weight 7.2e-6 at cp 4 ring with
+8 chunks): a component whose gradient nearly cancels, whose rounding AdamW turns into a step of its own (the
+module docstring of tests/test_example_training.py); full attention at these shapes stays within 1.2e-7. The
+wrong scalings that test names give >= 8e-4 in the weights, and the mask itself moves them by > 1e-3 (asserted).
 """
 
 import re
@@ -13,13 +20,22 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_example_training import SCRIPT, STEPS, TIMEOUT, assert_close, clean_env, run
+from test_example_training import LOSS_RTOL, SCRIPT, STEPS, TIMEOUT, clean_env, deviations, run
 
 import wf_mesh
 from wf_mesh.testing import run_distributed
 
 FRAMES = ["--frames", "8", "--height", "4", "--width", "4"]
+MASK_WEIGHT_ATOL = 3e-5
 MODEL = ["--channels", "4", "--dim", "32", "--heads", "2", "--depth", "2", *FRAMES]
+
+
+def assert_close(got, expected, what):
+    loss, norm, weights, ema = deviations(got, expected)
+    print(f"{what}: max deviation of losses {loss:.1e}, grad norms {norm:.1e} (relative), weights {weights:.1e}, "
+          f"EMA {ema:.1e}; plan imbalance {got['imbalance']:.3f}")  # fmt: skip
+    assert max(loss, norm) <= LOSS_RTOL, (what, loss, norm)
+    assert max(weights, ema) <= MASK_WEIGHT_ATOL, (what, weights, ema)
 
 
 def parse(*argv):
@@ -130,7 +146,7 @@ def predict_dense(flags):
 
 @pytest.mark.parametrize(
     ("world", "method", "ulysses"),
-    [(2, "ring", 1), pytest.param(4, "usp", 2, marks=pytest.mark.slow)],
+    [pytest.param(2, "ring", 1, marks=pytest.mark.slow), pytest.param(4, "usp", 2, marks=pytest.mark.slow)],
     ids=["cp2-ring", "cp4-usp2x2"],
 )
 def test_predictions_equal_the_dense_mask_reference(world, method, ulysses):
@@ -179,7 +195,7 @@ def test_masked_training_matches_one_process(world, mask, args, batch):
     assert result["imbalance"] <= 1.10, result["imbalance"]  # the plan balances the mask's work
     assert_close(result, reference, f"{world} processes {' '.join((*mask, *args))}")
     full = run(1, "--batch", str(batch), *FRAMES, *(HEADS4 if "--heads" in mask else ()))
-    assert abs(full["losses"][STEPS] - reference["losses"][STEPS]) > 1e-4  # the mask changes the training
+    assert deviations(full, reference)[2] > 1e-3  # the mask changes the training
 
 
 @pytest.mark.slow
