@@ -20,15 +20,6 @@ output: ``TP_PLAN``), so each tp rank runs cp attention on its ``heads / N`` hea
 under tp) are sharded with FSDP2 over the ``dp_cp`` axis (cp ranks hold the same weights, so their gradients
 are summed together with dp's).
 
-Autoregressive masks (issue 19): ``--chunk-frames N`` trains block-causal attention over chunks of N frames
-(the tokens of chunk c see every token of chunks <= c, :meth:`wf_mesh.RangeMask.block_causal`), and
-``--pack`` packs each sample's frames as clips of different lengths (frame counts cycling 3, 1, 2: 4 frames
-are clips of 3 and 1) with block-causal attention inside each clip (chunks of ``--chunk-frames``, default 1
-frame; :meth:`wf_mesh.RangeMask.packed`). Tokens then follow the frames-first order ``(t h w)`` and each cp
-rank holds the tokens of a work-balanced :func:`wf_mesh.plan_cp_attention` ``(mask=...)`` plan
-(``plan.shard``): every rank computes about the same number of unmasked pairs, and ``cp_attention`` evaluates
-the mask on those shards (exact at every world size, as without a mask).
-
 Exactness: whatever the world size, the gradient every step applies is the gradient of the GLOBAL mean
 loss. Each rank backpropagates ``sum of its squared errors / number of elements in the global batch`` and
 FSDP2 is told to SUM gradients over dp_cp instead of averaging them (``set_gradient_divide_factor(1.0)``
@@ -37,6 +28,22 @@ ranks hold different numbers of tokens. The logged loss is the global mean (one 
 error sums); the logged gradient norm is the global one (``clip_grad_norm_`` over the sharded gradients),
 clipped to ``--clip-grad``. Loss trajectory, gradient norms and final weights agree with a single-process run
 up to fp32 rounding.
+
+The autoregressive case (``--chunk-frames N``, ``--pack``): attention follows a :class:`wf_mesh.RangeMask` over
+the frames-first token order ``(t h w)`` of a sample. ``--chunk-frames N`` makes it block-causal over chunks of
+``N`` latent frames (the last chunk takes what is left: :func:`wf_mesh.masks.frame_chunk_sizes`): a token of
+chunk c sees every token of chunks <= c. ``--pack`` packs clips of different lengths into each sample's
+sequence: the sample's ``T`` frames are cut into clips of 1, 2, 3, ... frames (the last clip takes what is
+left: T=8 gives 1, 2, 3, 2), or of the frame counts ``--pack 3,5`` names; a token sees only its own clip
+(``RangeMask.packed``), block-causal over chunks of ``N`` frames counted from the clip's first frame when
+``--chunk-frames N`` is given too, and each clip's frames take the time position embeddings ``0, 1, ...`` of
+a clip of their own. With a mask the cp ranks do NOT take plan_video_split's blocks: one
+:func:`wf_mesh.plan_cp_attention` ``(mask=..., mesh=...)`` before the first step (the mask is the same every
+step: agreed once, not per step or layer) places whole chunks on the ranks so that each computes about the
+same number of unmasked (query, key) pairs (logged: ``plan.imbalance``, max / mean), and every rank takes its
+tokens, targets and position embeddings with ``plan.shard`` (no collective). The loss is a sum over tokens
+and every token lives on exactly one rank, so the exactness argument above holds unchanged: nothing is
+gathered back (``plan.gather`` would restore the global order; training does not need it).
 
 Checkpoints (``--ckpt-dir DIR --save-every N``): model and optimizer (``get_state_dict``, resharded by DCP
 at any world size), the EMA (``ShardedEMA.state_dict()`` DTensors) and the step count, saved with
@@ -52,8 +59,8 @@ Run::
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --cp-method usp --cp-ulysses 2
     torchrun --nproc-per-node 4 examples/train_video_dit.py --tp 2 --cp 2  # tp 2 x cp 2: the same run as one process
     torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2 --data-rng dp  # = --data-rng dp at 2 processes
-    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --chunk-frames 1   # block-causal frame chunks
-    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --pack             # packed clips
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 4 --frames 8 --chunk-frames 2  # block-causal chunks
+    torchrun --nproc-per-node 4 examples/train_video_dit.py --cp 2 --frames 8 --pack --chunk-frames 2  # packed clips
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 examples/train_video_dit.py --ckpt-dir ckpt --save-every 2
 
 The last one resumes from ``ckpt/`` when torchrun restarts a failed worker. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
@@ -85,6 +92,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import wf_mesh
+from wf_mesh.masks import frame_chunk_sizes
 
 CHECKPOINT = re.compile(r"step_(\d+)")
 
@@ -117,13 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "size); dp: each dp rank draws only its own samples (mesh.generator(vary_over=('dp',)): the "
                         "same run at every cp and tp for a given dp)")  # fmt: skip
     p.add_argument("--chunk-frames", type=int, default=0,
-                   help="block-causal attention over chunks of N frames (0: full attention; with --pack: the "
-                        "chunks inside each clip, default 1)")  # fmt: skip
-    p.add_argument(
-        "--pack",
-        action="store_true",
-        help="pack each sample's frames as clips of 3, 1, 2, ... frames, block-causal inside each",
-    )
+                   help="block-causal attention over chunks of N latent frames (chunk c sees chunks <= c; the last "
+                        "chunk takes what is left); 0: full attention")  # fmt: skip
+    p.add_argument("--pack", nargs="?", const="auto", default=None, metavar="FRAMES,...",
+                   help="pack clips of different lengths into each sample: its frames cut into clips of 1, 2, 3, ... "
+                        "frames (the last takes what is left), or of the given frame counts (summing to --frames); "
+                        "attention within each clip (block-causal inside it with --chunk-frames)")  # fmt: skip
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save checkpoints here and resume from the newest")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes the result of main() here (torch.save)")
@@ -139,8 +146,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--dim {args.dim} is not divisible by --heads {args.heads}")
     if args.heads % args.tp:
         p.error(f"--heads {args.heads} is not divisible by --tp {args.tp}: each tp rank attends over whole heads")
-    if args.chunk_frames < 0:
-        p.error("--chunk-frames must be >= 0")
     if args.clip_grad < 0:
         p.error("--clip-grad must be >= 0")
     if args.save_every < 0:
@@ -153,58 +158,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--cp-method usp needs --cp-ulysses N > 1 (the Ulysses part of --cp; the ring is the rest)")
     if args.cp % args.cp_ulysses:
         p.error(f"--cp-ulysses {args.cp_ulysses} must divide --cp {args.cp} (cp = ring x ulysses)")
+    if args.chunk_frames < 0:
+        p.error("--chunk-frames must be >= 0")
+    if args.pack is not None:
+        args.pack = clip_frames(p, args.pack, args.frames)
     return args
 
 
-def pack_clips(frames: int) -> list[int]:
-    """The clips ``--pack`` cuts ``frames`` frames into: frame counts cycling 3, 1, 2 (the last one cut short)."""
-    clips: list[int] = []
-    while sum(clips) < frames:
-        clips.append(min((3, 1, 2)[len(clips) % 3], frames - sum(clips)))
-    return clips
+def clip_frames(p: argparse.ArgumentParser, value: str, frames: int) -> tuple[int, ...]:
+    """``--pack``'s clips as frame counts: ``auto`` -> 1, 2, 3, ... (the last takes what is left), else the list."""
+    if value == "auto":
+        clips, left = [], frames
+        while left:
+            clips.append(min(len(clips) + 1, left))
+            left -= clips[-1]
+        return tuple(clips)
+    try:
+        clips = [int(f) for f in value.split(",")]
+    except ValueError:
+        p.error(f"--pack {value}: give frame counts like 3,5 (or --pack alone)")
+    if min(clips) < 1 or sum(clips) != frames:
+        p.error(f"--pack {value}: clip frame counts must be >= 1 and sum to --frames {frames}")
+    return tuple(clips)
+
+
+def describe_mask(args: argparse.Namespace) -> str:
+    """The attention pattern in words (the start line)."""
+    chunks = f"block-causal chunks of {args.chunk_frames} frames" if args.chunk_frames else ""
+    if args.pack is None:
+        return chunks or "full attention"
+    return f"clips of {list(args.pack)} frames packed" + (f", {chunks} inside each" if chunks else "")
 
 
 def attention_mask(args: argparse.Namespace) -> wf_mesh.RangeMask | None:
-    """The mask of ``--chunk-frames`` / ``--pack`` over one sample's frames-first tokens (None: full attention)."""
+    """The mask of ``--chunk-frames`` / ``--pack`` over one sample's ``(t h w)`` tokens; None: full attention."""
     per_frame = args.height * args.width
-    if args.pack:
-        clips = [f * per_frame for f in pack_clips(args.frames)]
-        return wf_mesh.RangeMask.packed(clips, causal="block", chunk_size=(args.chunk_frames or 1) * per_frame)
+    if args.pack is None:
+        if not args.chunk_frames:
+            return None
+        return wf_mesh.RangeMask.block_causal(frame_chunk_sizes(args.frames, args.chunk_frames, per_frame))
+    lengths = [f * per_frame for f in args.pack]
     if args.chunk_frames:
-        return wf_mesh.RangeMask.block_causal(
-            wf_mesh.masks.frame_chunk_sizes(args.frames, args.chunk_frames, per_frame)
-        )
-    return None
-
-
-class TokenLayout:
-    """Which tokens this cp rank holds: the video split's block (full attention), or under a mask the tokens of
-    the step's work-balanced mask plan, in frames-first ``(t h w)`` order."""
-
-    def __init__(self, split: wf_mesh.VideoSplit, mask: wf_mesh.RangeMask | None, mesh: wf_mesh.ParallelMesh) -> None:
-        self.split, self.mask, self.mesh = split, mask, mesh
-        self.plan: wf_mesh.CPAttentionPlan | None = None
-
-    def new_step(self) -> None:
-        """Plan this step's attention: once for all the blocks (one agreement)."""
-        if self.mask is None:
-            self.plan = self.split.attention_plan(mesh=self.mesh)  # every rank's token count
-        else:
-            self.plan = wf_mesh.plan_cp_attention(mask=self.mask, mesh=self.mesh)
-
-    def shard(self, latents: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens ``(B, S_local, C)`` of latents ``(B, C, T, H, W)``."""
-        if self.mask is None:
-            return self.split.shard(latents, mesh=self.mesh)
-        assert self.plan is not None
-        return self.plan.shard(latents.flatten(2).transpose(1, 2), 1)  # (B, T*H*W, C): frames first
-
-    def positions(self, pos: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens' rows ``(S_local, D)`` of the position table ``(T, H, W, D)``."""
-        if self.mask is None:
-            return self.split.shard_positions(pos, mesh=self.mesh)
-        assert self.plan is not None
-        return self.plan.shard(pos.flatten(0, 2), 0)
+        return wf_mesh.RangeMask.packed(lengths, causal="block", chunk_size=args.chunk_frames * per_frame)
+    return wf_mesh.RangeMask.packed(lengths)
 
 
 # ---- the model ------------------------------------------------------------------------------------------
@@ -249,7 +245,10 @@ class Block(nn.Module):
 
 class TinyVideoDiT(nn.Module):
     """Noisy tokens ``(B, S_local, C)`` of this cp rank, their noise levels ``(B,)`` and targets -> the SUM of
-    this rank's squared errors (the caller normalizes it; see the module docstring)."""
+    this rank's squared errors (the caller normalizes it; see the module docstring).
+
+    The tokens are ``split``'s block of the latent, or with a mask ``plan``'s tokens of the ``(t h w)``
+    sequence (``plan.shard``; ``split`` is then unused)."""
 
     def __init__(self, args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> None:
         super().__init__()
@@ -260,14 +259,34 @@ class TinyVideoDiT(nn.Module):
         self.blocks = nn.ModuleList(Block(d, args.heads, args.cp_method, mesh) for _ in range(args.depth))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, args.channels)
+        # --pack: each clip's frames take time positions 0, 1, ... of their own
+        clips = args.pack or (args.frames,)
+        self.frame_positions = [f for n in clips for f in range(n)]
 
-    def forward(self, tokens, sigma, target, layout: TokenLayout) -> torch.Tensor:
-        pos = layout.positions(self.pos)  # (S_local, D), this rank's tokens' positions
+    def forward(
+        self, tokens, sigma, target, split: wf_mesh.VideoSplit | None, mesh: wf_mesh.ParallelMesh,
+        plan: wf_mesh.CPAttentionPlan | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return (self.predict(tokens, sigma, split, mesh, plan) - target).pow(2).sum()
+
+    def predict(
+        self, tokens, sigma, split: wf_mesh.VideoSplit | None, mesh: wf_mesh.ParallelMesh,
+        plan: wf_mesh.CPAttentionPlan | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The predictions ``(B, S_local, C)`` for this rank's tokens (``plan``: a mask plan's, see the class)."""
+        if plan is None:
+            assert split is not None
+            pos = split.shard_positions(self.pos, mesh=mesh)  # (S_local, D), this rank's tokens' positions
+            plan = split.attention_plan(mesh=mesh)  # every rank's token count, agreed once for all the blocks
+        else:
+            table = self.pos
+            if self.frame_positions != list(range(len(self.pos))):
+                table = table[torch.tensor(self.frame_positions, device=table.device)]
+            pos = plan.shard(table.flatten(0, 2), 0)
         x = self.embed(tokens) + pos + self.noise_embed(sigma[:, None])[:, None, :]
-        assert layout.plan is not None  # agreed once per step for all the blocks (TokenLayout.new_step)
         for block in self.blocks:
-            x = block(x, layout.plan)
-        return (self.head(self.norm(x)) - target).pow(2).sum()
+            x = block(x, plan)
+        return self.head(self.norm(x))
 
 
 def build_model(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> nn.Module:
@@ -378,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Train; returns (on every rank)::
 
         {"world_size", "dp", "cp", "tp", "start_step" (0 or the step resumed from), "steps",
+         "imbalance": the mask plan's work imbalance (max / mean over the cp ranks; None without a mask),
          "losses": {step: global mean loss}, "grad_norms": {step: global gradient norm before clipping},
              for the steps this call ran,
          "weights" / "ema": {parameter name: full fp32 CPU tensor} after the last step,
@@ -411,8 +431,10 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     if args.batch < dp:
         raise ValueError(f"--batch {args.batch} is smaller than dp={dp}: every dp rank needs at least one sample")
     latent_shape = (args.batch, args.channels, args.frames, args.height, args.width)
-    split = wf_mesh.plan_video_split(latent_shape, cp_size=cp)
-    layout = TokenLayout(split, attention_mask(args), mesh)
+    mask = attention_mask(args)
+    # a mask: one balanced plan for the whole run (the same mask every step), agreed once; else the video split
+    plan = None if mask is None else wf_mesh.plan_cp_attention(mask=mask, mesh=mesh)
+    split = wf_mesh.plan_video_split(latent_shape, cp_size=cp) if plan is None else None
     rows = torch.tensor_split(torch.arange(args.batch), dp)[dp_rank]  # this dp rank's samples
     global_elements = math.prod(latent_shape)
     global_tokens = args.batch * args.frames * args.height * args.width
@@ -420,12 +442,17 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     model = build_model(args, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ema = wf_mesh.ShardedEMA(model, beta=args.ema_beta)
+    if plan is None:
+        placed = f"{split.local_tokens} of {split.t * split.h * split.w} tokens per sample on each cp rank"
+    else:
+        placed = (
+            f"{describe_mask(args)}, tokens per sample on the cp ranks {list(plan.lengths)} of {plan.seq_len} "
+            f"(work imbalance {plan.imbalance:.3f})"
+        )
     log(
         f"train_video_dit: {world} process(es) = dp {dp} x cp {cp}{f' x tp {tp}' if tp > 1 else ''} ({args.cp_method}"
         f"{f', ulysses {args.cp_ulysses}' if args.cp_method == 'usp' else ''}), latents {latent_shape}, "
-        f"{split.local_tokens} of {split.t * split.h * split.w} tokens per sample on each cp rank, "
-        f"{'full attention' if layout.mask is None else f'mask {layout.mask!r}'}, "
-        f"{sum(p.numel() for p in model.parameters())} parameters, {args.steps} steps"
+        f"{placed}, {sum(p.numel() for p in model.parameters())} parameters, {args.steps} steps"
     )
 
     start = newest_checkpoint(args.ckpt_dir, device)
@@ -444,9 +471,11 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
         noisy, target, sigma = (t.to(device) for t in local_batch(args, step, mesh, rows))
-        layout.new_step()
-        tokens, target = layout.shard(noisy), layout.shard(target)  # this cp rank's tokens
-        squared = model(tokens, sigma, target, layout)
+        if plan is None:
+            tokens, target = split.shard(noisy, mesh=mesh), split.shard(target, mesh=mesh)  # this cp rank's block
+        else:  # the (t h w) sequence's tokens the plan gives this cp rank
+            tokens, target = (plan.shard(t.flatten(2).transpose(1, 2), 1) for t in (noisy, target))
+        squared = model(tokens, sigma, target, split, mesh, plan)
         (squared / global_elements).backward()  # summed over dp_cp by FSDP2: the global mean's gradient
         grad_norms[step] = clip_grad_norm(model, args.clip_grad or math.inf).item()  # of the GLOBAL gradient
         optimizer.step()
@@ -470,6 +499,7 @@ def train(args: argparse.Namespace, mesh: wf_mesh.ParallelMesh) -> dict:
     weights = full_weights(dict(model.named_parameters()))
     result = {
         "world_size": world, "dp": dp, "cp": cp, "tp": tp, "start_step": start, "steps": args.steps,
+        "imbalance": None if plan is None else plan.imbalance,
         "losses": losses, "grad_norms": grad_norms,
         "weights": weights, "ema": full_weights(ema.state_dict()), "digest": digest(weights),
     }  # fmt: skip

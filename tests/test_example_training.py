@@ -124,28 +124,6 @@ def test_per_dp_rank_data_is_the_same_run_at_every_cp(batch):
     assert deviations(per_dp, run(2, "--batch", str(batch)))[0] > 1e-3  # other data than the global stream
 
 
-MASKED = [  # (world, args): block-causal frame chunks and packed clips, exact against one process
-    (2, ("--cp", "2", "--chunk-frames", "1")),
-    (4, ("--cp", "4", "--chunk-frames", "1")),
-    (4, ("--cp", "2", "--chunk-frames", "2", "--cp-method", "ulysses")),  # dp 2 x cp 2
-    (2, ("--cp", "2", "--pack")),
-    (4, ("--cp", "4", "--pack", "--cp-method", "usp", "--cp-ulysses", "2")),
-]
-
-
-@pytest.mark.slow  # 6 training steps per run, 2 references
-@pytest.mark.parametrize(("world", "args"), MASKED, ids=lambda x: "-".join(x) if isinstance(x, tuple) else f"w{x}")
-def test_masked_attention_trains_the_same_at_every_world_size(world, args):
-    mask_args = tuple(a for a in args if a in ("--pack",)) + (
-        ("--chunk-frames", args[args.index("--chunk-frames") + 1]) if "--chunk-frames" in args else ()
-    )
-    reference = run(1, "--batch", "4", *mask_args)
-    result = run(world, "--batch", "4", *args)
-    assert result["losses"][STEPS] < result["losses"][1]  # it learns
-    assert_close(result, reference, f"{world} processes {' '.join(args)}")
-    assert deviations(reference, run(1, "--batch", "4"))[0] > 1e-3  # the mask changes the run
-
-
 @pytest.mark.slow
 def test_resume_at_2_processes_from_a_checkpoint_taken_at_4(tmp_path):
     saved = run_distributed(4, train, [*SHAPE, "--steps", "3", "--quiet", "--cp", "2", "--ckpt-dir", str(tmp_path),
