@@ -134,6 +134,10 @@ def method_meshes(n: int):
     return pm, meshes
 
 
+CLOSES_TIMED = 10
+"""Calls' worth of closing exchanges timed at once (one close is too short to time alone)."""
+
+
 def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int, trials: int) -> dict:
     b, h, hkv, s, d = dims
     n = dist.get_world_size()
@@ -171,6 +175,25 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
         trials,
         timed_dist,
     )
+
+    # what containment adds to a call that succeeds is its closing exchanges (one in forward, one in backward;
+    # the steps' try/except costs nothing measurable): timed alone, many at a time, against the call itself
+    def closes():  # CLOSES_TIMED times the two closes of one call
+        faults.set_containment(True)
+        try:
+            for _ in range(2 * CLOSES_TIMED):
+                faults.FaultSequence(pm.group("cp"), "cp_attention").close()
+        finally:
+            faults.set_containment(None)
+
+    word, words = torch.zeros(1, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+
+    def bare():  # the backend's latency floor: as many one-word all-gathers
+        for _ in range(2 * CLOSES_TIMED):
+            dist.all_gather_single(words, word, group=pm.group("cp"))
+
+    paths = {"closes": closes, "bare": bare, "ring": partial(step, "ring")}
+    close_cost = compare_trials(paths, iters, trials, timed_dist)
     traffic = {}
     for method, mesh in meshes.items():
         q.grad = k.grad = v.grad = None
@@ -188,7 +211,7 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
             "kv_held_after_fwd": held,
             "inbound_peak_bwd": bwd.all_peak,
         }
-    return {"seconds": seconds, "contain": contain, "traffic": traffic}
+    return {"seconds": seconds, "contain": contain, "close_cost": close_cost, "traffic": traffic}
 
 
 class LiveBytes:
@@ -463,6 +486,18 @@ def main() -> None:
                     row(f"{prefix} / allgather, fwd+bwd time", per_trial(samples, base))
                 on, off = run["contain"][f"{method} contained"], run["contain"][method]
                 row(f"{prefix}: contain_faults=True / off, fwd+bwd time", per_trial(on, off), at_most(1.02))
+                if method == "ring":  # the same two closes for every method: one row per cp size and mode
+                    cost = run["close_cost"]
+                    row(
+                        f"cp {n} {mode}: contain_faults=True's two closing exchanges / ring fwd+bwd time",
+                        [x / CLOSES_TIMED for x in per_trial(cost["closes"], cost["ring"])],
+                        at_most(0.02),
+                    )
+                    row(
+                        f"cp {n} {mode}: a closing exchange / a bare one-word all-gather (the backend's latency)",
+                        per_trial(cost["closes"], cost["bare"]),
+                        at_most(1.5),
+                    )
                 row(f"{prefix} / single-process SDPA, fwd+bwd time", [x / sdpa for x in samples])
                 if mode == "full":  # bytes and memory are the same with causal
                     row(f"{prefix}: bytes sent per rank / theory", sent / sent_theory, equals(1.0, "= 1"))

@@ -229,6 +229,11 @@ def test_the_benchmark_reports_the_plan_rows(tmp_path):
         assert rows[f"cp 4: {method} with a plan: collectives per layer per step"]["ratio"] == collectives
         assert rows[f"cp 4: {method} compiled: graphs over 3 steps (a new plan each)"]["ratio"] == 1
         assert rows[f"cp 4: {method}: peak bytes of one fwd+bwd at 2 S_local / at S_local"]["ratio"] < 3
+    for n in (2, 4):  # what contain_faults=True adds: its two closes, timed alone, and their latency floor
+        for mode in ("full", "causal"):
+            closes = rows[f"cp {n} {mode}: contain_faults=True's two closing exchanges / ring fwd+bwd time"]
+            assert (closes["target"], closes["meets"]) == ("<= 0.02", "not judged") and 0 < closes["ratio"] < 1
+            assert f"cp {n} {mode}: a closing exchange / a bare one-word all-gather (the backend's latency)" in rows
 
 
 # ---- plans with a mask (issue 19 item 2) ------------------------------------------------------------------
