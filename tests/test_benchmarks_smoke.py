@@ -272,18 +272,23 @@ def test_every_benchmark_runs_quick_and_writes_rows_in_the_schema(tmp_path):
     assert len([line for line in lines if line.startswith(MINE)]) == len(rows)
 
 
-@pytest.mark.slow  # 4 processes, ~15 s
-def test_the_mask_benchmark_runs_quick_through_the_runner(tmp_path):
+def run_quick(tmp_path, name):
+    """``run.py --quick --only name``: its --json output (the run must succeed)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", "cp_attention_masks", "--json", str(out)],
+        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", name, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow  # 4 processes, ~15 s
+def test_the_mask_benchmark_runs_quick_through_the_runner(tmp_path):
+    data = run_quick(tmp_path, "cp_attention_masks")
     assert data["failed"] == {}
     rows = {r["measurement"]: r for r in data["rows"]}
     assert all(tuple(r) == report.ROW_KEYS for r in data["rows"])
@@ -300,16 +305,7 @@ def test_the_mask_benchmark_runs_quick_through_the_runner(tmp_path):
 
 @pytest.mark.slow  # 2 and 4 processes, 20-60 s
 def test_the_kv_cache_benchmark_runs_quick_through_the_runner(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run.py"), "--quick", "--only", "kv_cache", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    data = run_quick(tmp_path, "kv_cache")
     assert data["failed"] == {} and list(data["results"]) == ["kv_cache"]
     assert all(tuple(r) == report.ROW_KEYS and r["low"] <= r["ratio"] <= r["high"] for r in data["rows"])
     rows = {r["measurement"]: r for r in data["rows"]}
