@@ -109,6 +109,7 @@ from wf_mesh.attention_ops import (
     gather_mask_padded,
     gather_mask_padded_op,
     heads_to_seq_op,
+    mask_pieces,
     rank_segments,
     register_ring_plan,
     ring_attention_op,
@@ -541,15 +542,19 @@ def _mask_core(mask: RangeMask, q_segments, kv_segments, ring: bool):
     """What a RingPlan needs of ``mask`` (cached: every layer of every step asks the same).
 
     Returns:
-        ``(per block, the mask's pieces within this rank's queries x its keys; a ring: each block's last step,
-        else ())``.
+        ``(per block, the kernel calls of the mask's pieces within this rank's queries x its keys; a ring: each
+        block's last step, else ())``.
     """
     pieces = tuple(
-        tuple(
-            p
-            for qs in q_segments
-            for ks in block
-            for p in mask.block_pieces(qs.start, qs.start + qs.length, ks.start, ks.start + ks.length)
+        mask_pieces(
+            [
+                p
+                for qs in q_segments
+                for ks in block
+                for p in mask.block_pieces(qs.start, qs.start + qs.length, ks.start, ks.start + ks.length)
+            ],
+            q_segments,
+            block,
         )
         for block in kv_segments
     )

@@ -42,6 +42,7 @@ __all__ = [
     "concat_segments",
     "gather_mask",
     "gather_mask_padded",
+    "mask_pieces",
     "rank_segments",
     "zigzag_segments",
 ]
@@ -134,9 +135,10 @@ class RingPlan:
     scale: float
     kernel: Kernel
     verdict: str = ""  # the name of the group every rank of the call is in: where a contained failure is told
-    mask: tuple[tuple[Range, ...], ...] | None = None
-    """Under a RangeMask: per block j, the mask's pieces within this rank's queries x block j's keys (global
-    positions, each inside one query and one key segment); None: no mask (``causal`` says the pattern)."""
+    mask: tuple[tuple[Piece, ...], ...] | None = None
+    """Under a RangeMask: per block j, the kernel calls of the mask's pieces within this rank's queries x block
+    j's keys, in local rows (:func:`mask_pieces`: computed once per plan, not per call); None: no mask
+    (``causal`` says the pattern)."""
     last_steps: tuple[int, ...] = ()
     """Per block, the last ring step a rank needs it (:func:`~wf_mesh.ring_schedule.ring_last_steps`); empty: every block travels the
     whole ring."""
@@ -161,7 +163,7 @@ class RingPlan:
             ``(query rows, key rows, causal)`` slices of one pair.
         """
         if self.mask is not None:
-            for r0, r1, c0, c1, causal in merge_full_pieces([self._local(p, j) for p in self.mask[j]]):
+            for r0, r1, c0, c1, causal in self.mask[j]:
                 yield slice(r0, r1), slice(c0, c1), causal
             return
         if not self.causal:
@@ -186,12 +188,24 @@ class RingPlan:
                 if hi < q_end:  # queries after the square see all of its keys
                     yield slice(qs.offset + hi - qs.start, qs.offset + qs.length), keys, False
 
-    def _local(self, p: Range, j: int) -> Piece:
-        """Piece ``p`` (global positions) as local rows of q and local rows of block j."""
-        qs = next(s for s in self.q_segments if s.start <= p.q_start < s.start + s.length)
-        ks = next(s for s in self.kv_segments[j] if s.start <= p.k_start < s.start + s.length)
+
+def mask_pieces(
+    pieces: Sequence[Range], q_segments: Sequence[Segment], kv_segments: Sequence[Segment]
+) -> tuple[Piece, ...]:
+    """The mask's ``pieces`` (global positions, each inside one query and one key segment) as kernel calls in
+    local rows of q and of the block, full ones merged (:func:`~wf_mesh.ring_schedule.merge_full_pieces`).
+
+    Returns:
+        The block's :attr:`RingPlan.mask` entry.
+    """
+
+    def local(p: Range) -> Piece:
+        qs = next(s for s in q_segments if s.start <= p.q_start < s.start + s.length)
+        ks = next(s for s in kv_segments if s.start <= p.k_start < s.start + s.length)
         r0, c0 = qs.offset + p.q_start - qs.start, ks.offset + p.k_start - ks.start
         return r0, r0 + p.q_end - p.q_start, c0, c0 + p.k_end - p.k_start, p.kind == "causal"
+
+    return tuple(merge_full_pieces([local(p) for p in pieces]))
 
 
 def _wire_order(ndim: int) -> list[int]:
