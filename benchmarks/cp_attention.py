@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import statistics
 import weakref
@@ -54,7 +55,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import wf_mesh
-from wf_mesh import faults
+from wf_mesh import agreement, faults
 from wf_mesh.agreement import ROW
 from wf_mesh.attention import cp_attention, zigzag_shard
 from wf_mesh.testing import LocalCluster, c10d_ops, counting_backend, dispatched, host_syncs
@@ -134,6 +135,11 @@ def method_meshes(n: int):
     return pm, meshes
 
 
+@dataclasses.dataclass(frozen=True)
+class _NoFacts(agreement.Facts):
+    """An agreement exchange carrying nothing (what a close used to exchange)."""
+
+
 CLOSES_TIMED = 10
 """Calls' worth of closing exchanges timed at once (one close is too short to time alone)."""
 
@@ -186,13 +192,17 @@ def bench_methods(dims: tuple[int, int, int, int, int], causal: bool, iters: int
         finally:
             faults.set_containment(None)
 
-    word, words = torch.zeros(1, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    word, group = torch.zeros(1, dtype=torch.int64), pm.group("cp")
 
-    def bare():  # the backend's latency floor: as many one-word all-gathers
+    def bare():  # the backend's latency floor: as many one-word all-reduces (a close is one of three words)
         for _ in range(2 * CLOSES_TIMED):
-            dist.all_gather_single(words, word, group=pm.group("cp"))
+            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=group)
 
-    paths = {"closes": closes, "bare": bare, "ring": partial(step, "ring")}
+    def rows():  # as many agreement exchanges (the all-gather of one ROW per rank a close used to be)
+        for _ in range(2 * CLOSES_TIMED):
+            agreement.agree(group, _NoFacts, what="cp_attention", required=True)
+
+    paths = {"closes": closes, "bare": bare, "rows": rows, "ring": partial(step, "ring")}
     close_cost = compare_trials(paths, iters, trials, timed_dist)
     traffic = {}
     for method, mesh in meshes.items():
@@ -494,9 +504,13 @@ def main() -> None:
                         at_most(0.02),
                     )
                     row(
-                        f"cp {n} {mode}: a closing exchange / a bare one-word all-gather (the backend's latency)",
+                        f"cp {n} {mode}: a closing exchange / a bare one-word all-reduce (the backend's latency)",
                         per_trial(cost["closes"], cost["bare"]),
                         at_most(1.5),
+                    )
+                    row(
+                        f"cp {n} {mode}: a closing exchange / an agreement exchange (ROW-word all-gather)",
+                        per_trial(cost["closes"], cost["rows"]),
                     )
                 row(f"{prefix} / single-process SDPA, fwd+bwd time", [x / sdpa for x in samples])
                 if mode == "full":  # bytes and memory are the same with causal

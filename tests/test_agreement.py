@@ -14,7 +14,7 @@ import torch.distributed as dist
 from wf_mesh import agreement
 from wf_mesh.agreement import Facts, agree, fact
 from wf_mesh.errors import DisagreementError, ShapeMismatchError
-from wf_mesh.testing import run_distributed
+from wf_mesh.testing import c10d_ops, run_distributed
 
 from helpers import raised_everywhere
 
@@ -209,3 +209,55 @@ def test_with_checks_off_nothing_is_exchanged_unless_required():
         run_distributed(2, checks_off)
         == [(False, None, "mine", "skipped: the facts were not exchanged (checks are off)", True, [0, 1])] * 2
     )
+
+
+# ---- verdict: the one-word exchange fault containment closes with -----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Done(Facts):
+    """A verdict's record: no fields."""
+
+
+def verdicts(failing, other_call=(), rounds=3):
+    """``rounds`` verdicts in a row; ranks in ``failing`` raise in the second, ranks in ``other_call`` are in
+    another call there. Returns what each round gave on this rank (None: passed)."""
+    rank, seen = dist.get_rank(), []
+    for i in range(rounds):
+
+        def facts():
+            if i == 1 and rank in failing:
+                raise MemoryError(f"out of memory on rank {rank}")
+            return Done()
+
+        try:
+            agreement.verdict(dist.group.WORLD, facts, what="other" if i == 1 and rank in other_call else "seq")
+            seen.append(None)
+        except Exception as exc:
+            seen.append(exc)
+    return seen
+
+
+def verdict_ops():
+    ops = []
+    with c10d_ops(lambda name, args: ops.append((name, sum(t.numel() for t in args[0])))):
+        agreement.verdict(dist.group.WORLD, Done, what="seq")
+    return ops
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_verdict_raises_the_failing_ranks_error_on_every_rank_and_the_next_one_passes(world):
+    failing = {world - 1} if world == 2 else {1, 2}
+    outcomes = run_distributed(world, verdicts, failing)
+    assert all(seen[0] is None and seen[2] is None for seen in outcomes)
+    names = "; ".join(f"rank {r}: out of memory on rank {r}" for r in sorted(failing))
+    raised_everywhere([seen[1] for seen in outcomes], MemoryError, f"^seq: {names} \\(raised on every rank")
+
+
+def test_a_verdict_of_ranks_in_different_calls_raises_disagreement_on_every_rank():
+    outcomes = run_distributed(4, verdicts, set(), {3})
+    assert all(seen[0] is None and seen[2] is None for seen in outcomes)
+    raised_everywhere([seen[1] for seen in outcomes], DisagreementError, r"different wf_mesh calls.*other")
+
+
+def test_a_verdict_that_passes_is_one_single_word_all_reduce():
+    for ops in run_distributed(2, verdict_ops):
+        assert ops == [("allreduce_", 1)], ops

@@ -233,7 +233,8 @@ def test_the_benchmark_reports_the_plan_rows(tmp_path):
         for mode in ("full", "causal"):
             closes = rows[f"cp {n} {mode}: contain_faults=True's two closing exchanges / ring fwd+bwd time"]
             assert (closes["target"], closes["meets"]) == ("<= 0.02", "not judged") and 0 < closes["ratio"] < 1
-            assert f"cp {n} {mode}: a closing exchange / a bare one-word all-gather (the backend's latency)" in rows
+            assert f"cp {n} {mode}: a closing exchange / a bare one-word all-reduce (the backend's latency)" in rows
+            assert f"cp {n} {mode}: a closing exchange / an agreement exchange (ROW-word all-gather)" in rows
 
 
 # ---- plans with a mask (issue 19 item 2) ------------------------------------------------------------------

@@ -11,15 +11,16 @@ behind meets the next call on the group. Containment instead:
    later local step of the sequence;
 2. keeps issuing the sequence's messages with buffers it already holds (the received blocks, the zeroed
    accumulators): control flow stays identical on every rank, so nothing is left unmatched;
-3. closes the sequence with one verdict exchange over the group (:meth:`FaultSequence.close`, the
-   :func:`wf_mesh.agreement.agree` row): if any rank failed, every rank raises that rank's exception type
+3. closes the sequence with one verdict exchange over the group (:meth:`FaultSequence.close`,
+   :func:`wf_mesh.agreement.verdict`: a one-word all-reduce; the full agreement row only on failure): if
+   any rank failed, every rank raises that rank's exception type
    with a message naming the rank, where it failed and its error, all at the same point, so the callers stay
    in step and the next call on the group is exact.
 
 Why a closing exchange, and why opt-in. In a ring, what rank f knows after a failure at hop h reaches at most
 one more rank per remaining hop, so a status riding on the existing messages cannot reach every rank before
 the call returns (a failure in the last block kernel reaches nobody): only a message every rank waits for
-after the last step can. That is one all-gather of a small int64 row per contained sequence (and a host
+after the last step can. That is one all-reduce of one int64 word per contained sequence (and a host
 sync on NCCL), which a call that succeeds would pay too, and the success path comes first: containment is off
 unless asked for, with ``init_parallel(contain_faults=True)`` (the ranks agree on it when the mesh is built)
 or ``WF_MESH_CONTAIN_FAULTS=1`` in every rank's environment. Servers, notebooks and training loops that catch
@@ -162,7 +163,7 @@ class FaultSequence:
 
         group = _compat.resolve_group(self.group) if isinstance(self.group, str) else self.group
         try:
-            agreement.agree(group, facts, what=self.what, required=True)
+            agreement.verdict(group, facts, what=self.what)
         except Exception as verdict:
             if fault is not None:
                 raise verdict from fault[0]
