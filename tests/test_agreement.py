@@ -217,9 +217,9 @@ class Done(Facts):
     """A verdict's record: no fields."""
 
 
-def verdicts(failing, other_call=(), rounds=3):
-    """``rounds`` verdicts in a row; ranks in ``failing`` raise in the second, ranks in ``other_call`` are in
-    another call there. Returns what each round gave on this rank (None: passed)."""
+def verdicts(failing, rounds=3):
+    """``rounds`` verdicts in a row; ranks in ``failing`` raise in the second. Returns what each round gave on
+    this rank (None: passed)."""
     rank, seen = dist.get_rank(), []
     for i in range(rounds):
 
@@ -229,7 +229,7 @@ def verdicts(failing, other_call=(), rounds=3):
             return Done()
 
         try:
-            agreement.verdict(dist.group.WORLD, facts, what="other" if i == 1 and rank in other_call else "seq")
+            agreement.verdict(dist.group.WORLD, facts, what="seq")
             seen.append(None)
         except Exception as exc:
             seen.append(exc)
@@ -250,12 +250,6 @@ def test_a_verdict_raises_the_failing_ranks_error_on_every_rank_and_the_next_one
     assert all(seen[0] is None and seen[2] is None for seen in outcomes)
     names = "; ".join(f"rank {r}: out of memory on rank {r}" for r in sorted(failing))
     raised_everywhere([seen[1] for seen in outcomes], MemoryError, f"^seq: {names} \\(raised on every rank")
-
-
-def test_a_verdict_of_ranks_in_different_calls_raises_disagreement_on_every_rank():
-    outcomes = run_distributed(4, verdicts, set(), {3})
-    assert all(seen[0] is None and seen[2] is None for seen in outcomes)
-    raised_everywhere([seen[1] for seen in outcomes], DisagreementError, r"different wf_mesh calls.*other")
 
 
 def test_a_verdict_that_passes_is_one_single_word_all_reduce():

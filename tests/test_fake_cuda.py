@@ -21,7 +21,7 @@ import torch
 from fake_cuda import fake_cuda, fake_process_group
 from torch.distributed.device_mesh import init_device_mesh
 
-from wf_mesh import agreement, attention_kernels
+from wf_mesh import agreement, attention_kernels, faults
 from wf_mesh.attention import cp_attention
 from wf_mesh.attention_kernels import Kernel, attend, attend_backward
 from wf_mesh.attention_ops import RingAttention, RingPlan, rank_segments
@@ -147,3 +147,23 @@ def test_a_mask_plan_runs_the_flash_kernel_per_piece_and_allocates_no_quadratic_
     assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda")
     assert recorder.names("attention") == {FLASH}
     assert recorder.quadratic(n) == []
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "usp", "allgather"])
+def test_contained_attention_runs_the_same_kernels_and_closes_with_one_word(method, meshes):
+    """contain_faults=True on the CUDA path: every local step runs in its FaultSequence on fake CUDA tensors
+    (the same fused op, no quadratic tensor) and the call closes with one one-word all-reduce (a real host-side
+    word, outside the fake mode). The failure path needs real peers: tests/test_faults*.py on gloo."""
+    faults.set_containment(True)
+    try:
+        with fake_cuda() as recorder:
+            q = cuda(1, S, HEADS, HEAD_DIM)
+            mesh = meshes["usp" if method == "usp" else "cp"]
+            out = cp_attention(q, q, q, method=method, mesh=mesh, layout="bshd", causal=True, balance="zigzag")
+    finally:
+        faults.set_containment(None)
+    assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda")
+    assert recorder.names("attention") == {FLASH}
+    assert recorder.quadratic(S) == []
+    closes = [op.name for op in recorder.ops if op.name == "c10d.allreduce_.default"]
+    assert len(closes) == 1, sorted(recorder.names("c10d"))
