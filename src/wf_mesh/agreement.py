@@ -505,7 +505,7 @@ def verdict(group: dist.ProcessGroup | None, facts: Callable[[], Facts], *, what
     rank failed do all ranks run :func:`agree` with the same ``facts``, which raises on every rank as it says.
     Why one word: it is the cheapest collective there is (gloo's ring all-reduce takes two to three times as
     long from three words on with 4 processes, and :func:`agree`'s all-gather of rows as much). What it does
-    not check: that the ranks are in the same call; the exchange that opened the sequence did (:func:`agree`).
+    not check: that the ranks are in the same call (the agreement that starts a checked call does).
 
     Args:
         group: the group (None: the default group).
