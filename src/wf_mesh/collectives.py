@@ -208,11 +208,12 @@ class _BroadcastFacts(agreement.Facts):
     """A tensor passed (source or receiver)."""
     shape: tuple[int, ...] = ()
     encoded: bytes = agreement.fact(local=True, default=b"")
-    """The source's typed encoding of its value (for a pickled value: the type's name)."""
+    """For a pickled value, the name of the type the typed encoding does not cover (the source's warning)."""
     tensors: tuple[torch.Tensor, ...] = agreement.fact(local=True, default=())
     """The tensors inside the source's value, in encoding order."""
     sent: torch.Tensor | None = agreement.fact(local=True, default=None)
-    """The source's bytes of a tensor or a pickled value, on the group's device, to broadcast as they are."""
+    """The source's first broadcast, made with its facts: a tensor's bytes, the typed encoding or the pickle,
+    as uint8 on the group's device."""
 
     def shown(self) -> str:
         return f"Tensor{self.shape} {self.dtype}" if self.kind == "tensor" else "no tensor"
@@ -249,7 +250,8 @@ def _broadcast_facts(item: Any, is_source: bool, pickle_ok: bool, device: torch.
         sent = torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device)
         return _BroadcastFacts("pickle", True, len(pickled), encoded=str(exc).encode(), sent=sent)
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    return _BroadcastFacts("value", True, len(encoded), tensor_bytes, encoded=bytes(encoded), tensors=tuple(tensors))
+    sent = torch.frombuffer(encoded, dtype=torch.uint8).to(device)
+    return _BroadcastFacts("value", True, len(encoded), tensor_bytes, tensors=tuple(tensors), sent=sent)
 
 
 def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allow_pickle: bool | None = None) -> Any:
@@ -291,11 +293,8 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     if src.kind == "pickle":
         return _broadcast_pickled(item, agreed, process_group, is_source)
     mine = agreed.mine
-    data = (
-        torch.frombuffer(bytearray(mine.encoded), dtype=torch.uint8).to(device)
-        if is_source
-        else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
-    )
+    data = mine.sent if is_source else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
+    assert data is not None, "the source's facts carry its encoding"
     with waits.bounded(process_group, "broadcast"):
         dist.broadcast(data, group=process_group, group_src=0)
     # sent only when there are bytes to send, decided by the source's facts alike on every rank (empty tensors
