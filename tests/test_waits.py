@@ -155,3 +155,29 @@ def test_a_peer_stuck_before_the_gathers_all_gather_is_named():
     (message, took), (kind, took1) = run_fresh(2, stuck_in_gather_copy_in)
     assert message.startswith("gather_sequence: no answer from a peer of the cp axis (ranks [0, 1]) within its timeout")
     assert took < HANG and took1 < HANG, (message, kind)
+
+
+def stuck_before_shard_sequence():
+    """cp 2: rank 1 sleeps; rank 0 shards a Partial DTensor (DTensor's reduce-scatter, bounded, not contained)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from wf_mesh.context_parallel import cp_mesh
+
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2), timeout=TIMEOUT)
+    if dist.get_rank() == 1:
+        time.sleep(2 * TIMEOUT.total_seconds())
+        return "slept"
+    x = DTensor.from_local(torch.ones(2, 4), cp_mesh(pm), [Partial()], run_check=False)
+    start = time.monotonic()
+    try:
+        wf_mesh.shard_sequence(x, 1, mesh=pm)
+    except CollectiveTimeoutError as exc:
+        return str(exc), time.monotonic() - start
+    return "returned"
+
+
+def test_a_peer_stuck_before_a_dtensor_shard_sequence_is_named():
+    (message, took), rank1 = run_fresh(2, stuck_before_shard_sequence)
+    assert rank1 == "slept"
+    assert message.startswith("shard_sequence: no answer from a peer of the cp axis (ranks [0, 1]) within its timeout")
+    assert took < HANG

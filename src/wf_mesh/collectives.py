@@ -3,16 +3,18 @@
 What travels pickle-free (typed, exact, type kept on receivers): None, bool, int (any size), float,
 complex, str (any code points), bytes, Enum members (the class is resolved on receivers by module and
 qualified name and must be an Enum subclass: a str-Enum member arrives as that member), tuples, lists and
-dicts of these, and tensors of any dtype (also inside containers). Anything else is pickled with
-``broadcast_object_list`` after a one-time warning naming the type, unless pickle is turned off
-(``allow_pickle=False``, or ``WF_MESH_ALLOW_PICKLE=0`` in the environment): then every rank raises a
-TypeError naming the type. Receiving ranks must agree to unpickle: one of them turning pickle off is enough
-to refuse.
+dicts of these, and tensors of any dtype (also inside containers). Anything else is pickled after a
+one-time warning naming the type, unless pickle is turned off (``allow_pickle=False``, or
+``WF_MESH_ALLOW_PICKLE=0`` in the environment): then every rank raises a TypeError naming the type. Receiving
+ranks must agree to unpickle: one of them turning pickle off is enough to refuse.
 
 Protocol: one agreement exchange (:mod:`wf_mesh.agreement`) carries the kind, sizes and, for a tensor, its
-dtype and shape; then the encoded value (one uint8 broadcast) and the tensors' bytes (one more). A problem
-on the source (an unsupported object with pickle off, a DTensor) or a receiver whose tensor does not match
-raises on every rank before any data moves.
+dtype and shape; then the encoded value (one uint8 broadcast) and the tensors' bytes (one more). A tensor is
+one broadcast of its bytes; a pickled value one broadcast of its pickle. A problem on the source (an
+unsupported object with pickle off, a value pickle cannot take, a DTensor) or a receiver whose tensor does
+not match raises on every rank before any data moves: the source's tensor bytes and its pickle are made
+while its facts are (a failure there is its verdict). What can fail after the data moved (a receiver's
+decode or unpickle, the source's tensor payload) is contained (:mod:`wf_mesh.faults`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import enum
 import importlib
 import os
+import pickle
 import struct
 import warnings
 from typing import Any
@@ -205,22 +208,26 @@ class _BroadcastFacts(agreement.Facts):
     """A tensor passed (source or receiver)."""
     shape: tuple[int, ...] = ()
     encoded: bytes = agreement.fact(local=True, default=b"")
-    """The source's typed encoding of its value (for a pickled value: the type's name)."""
+    """For a pickled value, the name of the type the typed encoding does not cover (the source's warning)."""
     tensors: tuple[torch.Tensor, ...] = agreement.fact(local=True, default=())
     """The tensors inside the source's value, in encoding order."""
+    sent: torch.Tensor | None = agreement.fact(local=True, default=None)
+    """The source's first broadcast, made with its facts: a tensor's bytes, the typed encoding or the pickle,
+    as uint8 on the group's device."""
 
     def shown(self) -> str:
         return f"Tensor{self.shape} {self.dtype}" if self.kind == "tensor" else "no tensor"
 
 
-def _broadcast_facts(item: Any, is_source: bool, pickle_ok: bool) -> _BroadcastFacts:
+def _broadcast_facts(item: Any, is_source: bool, pickle_ok: bool, device: torch.device) -> _BroadcastFacts:
     if isinstance(item, DTensor):
         raise TypeError(
             "broadcast does not take a DTensor (its shards differ per rank); broadcast dtensor.full_tensor() "
             "or redistribute it instead"
         )
     if isinstance(item, torch.Tensor) and type(item) in (torch.Tensor, torch.nn.Parameter):
-        return _BroadcastFacts("tensor", pickle_ok, dtype=item.dtype, shape=tuple(item.shape))
+        sent = bytes_of(item.detach()).to(device) if is_source else None
+        return _BroadcastFacts("tensor", pickle_ok, dtype=item.dtype, shape=tuple(item.shape), sent=sent)
     if not is_source:
         return _BroadcastFacts("none" if item is None else "value", pickle_ok)
     if item is None:
@@ -236,9 +243,15 @@ def _broadcast_facts(item: Any, is_source: bool, pickle_ok: bool) -> _BroadcastF
                 f"WF_MESH_ALLOW_PICKLE=0); send a typed value (None, bool, int, float, complex, str, bytes, "
                 f"Enum, tensor, or tuples/lists/dicts of these)"
             ) from None
-        return _BroadcastFacts("pickle", True, encoded=str(exc).encode())
+        try:
+            pickled = pickle.dumps(item)
+        except Exception as failed:
+            raise TypeError(f"cannot pickle the source's value ({exc}): {type(failed).__name__}: {failed}") from None
+        sent = torch.frombuffer(bytearray(pickled), dtype=torch.uint8).to(device)
+        return _BroadcastFacts("pickle", True, len(pickled), encoded=str(exc).encode(), sent=sent)
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    return _BroadcastFacts("value", True, len(encoded), tensor_bytes, encoded=bytes(encoded), tensors=tuple(tensors))
+    sent = torch.frombuffer(encoded, dtype=torch.uint8).to(device)
+    return _BroadcastFacts("value", True, len(encoded), tensor_bytes, tensors=tuple(tensors), sent=sent)
 
 
 def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allow_pickle: bool | None = None) -> Any:
@@ -268,8 +281,9 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
     ranks = dist.get_process_group_ranks(process_group)
     is_source = dist.get_rank() == ranks[0]
     pickle_ok = pickle_allowed(allow_pickle)
+    device = agreement.comm_device(process_group)
     agreed = agreement.agree(
-        process_group, lambda: _broadcast_facts(item, is_source, pickle_ok), what="broadcast", required=True
+        process_group, lambda: _broadcast_facts(item, is_source, pickle_ok, device), what="broadcast", required=True
     )
     src = agreed.all_rows[0]
     if src.kind == "none":
@@ -278,13 +292,9 @@ def broadcast(item: Any, process_group: dist.ProcessGroup | None = None, *, allo
         return _broadcast_tensor(item, agreed, process_group, is_source)
     if src.kind == "pickle":
         return _broadcast_pickled(item, agreed, process_group, is_source)
-    device = agreement.comm_device(process_group)
     mine = agreed.mine
-    data = (
-        torch.frombuffer(bytearray(mine.encoded), dtype=torch.uint8).to(device)
-        if is_source
-        else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
-    )
+    data = mine.sent if is_source else torch.empty(src.value_bytes, dtype=torch.uint8, device=device)
+    assert data is not None, "the source's facts carry its encoding"
     with waits.bounded(process_group, "broadcast"):
         dist.broadcast(data, group=process_group, group_src=0)
     # sent only when there are bytes to send, decided by the source's facts alike on every rank (empty tensors
@@ -337,12 +347,16 @@ def _broadcast_tensor(
         )
     dtype = src.dtype
     assert dtype is not None, "a tensor's facts carry its dtype"
-    device = agreement.comm_device(group)
+    # not contained, as nothing needs it: the source's bytes were made with its facts, and a receiver's result
+    # is a view of the buffer it received into, so no local step can fail once the data moves
     data = (
-        bytes_of(item.detach()).to(device)
+        agreed.mine.sent
         if is_source
-        else torch.empty(torch.Size(src.shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+        else torch.empty(
+            torch.Size(src.shape).numel() * dtype.itemsize, dtype=torch.uint8, device=agreement.comm_device(group)
+        )
     )
+    assert data is not None, "the source's facts carry its bytes"
     if data.numel():
         with waits.bounded(group, "broadcast"):
             dist.broadcast(data, group=group, group_src=0)
@@ -366,7 +380,22 @@ def _broadcast_pickled(
             "or set WF_MESH_ALLOW_PICKLE=0 to forbid pickle",
             stacklevel=3,
         )
-    objects = [item if is_source else None]
+    # one broadcast of the pickle (its size agreed; the source's bytes made with its facts), then a receiver's
+    # unpickle, contained: an object whose unpickling raises on one receiver raises on every rank
+    data = (
+        agreed.mine.sent
+        if is_source
+        else torch.empty(agreed.all_rows[0].value_bytes, dtype=torch.uint8, device=agreement.comm_device(group))
+    )
+    assert data is not None, "the source's facts carry its pickle"
     with waits.bounded(group, "broadcast"):
-        dist.broadcast_object_list(objects, group=group, group_src=0)
-    return item if is_source else objects[0]
+        dist.broadcast(data, group=group, group_src=0)
+    seq = FaultSequence(group, "broadcast")
+    value = item if is_source else seq.step(("unpickle", 1, 1), unpickled, data)
+    seq.close()
+    return value
+
+
+def unpickled(data: torch.Tensor) -> Any:
+    """The object pickled in the uint8 tensor ``data`` (any device)."""
+    return pickle.loads(data.cpu().numpy().tobytes())

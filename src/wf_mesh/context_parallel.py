@@ -165,7 +165,9 @@ def shard_sequence(
 
     Rank r of the cp mesh gets block r in ``torch.chunk`` sizing (uneven lengths allowed), as a view of
     ``x`` (no copy). Gradient: this rank's slice of the upstream gradient flows into ``x``. Not idempotent:
-    sharding a shard shards it again. A DTensor ``x`` on the cp mesh is redistributed to ``Shard(seq_dim)``;
+    sharding a shard shards it again. A DTensor ``x`` on the cp mesh is redistributed to ``Shard(seq_dim)``
+    (DTensor's collective, if its placement needs one, under a bounded wait: a peer that stops answering raises
+    :class:`~wf_mesh.errors.CollectiveTimeoutError` naming ``shard_sequence`` and the cp axis; not contained);
     one on another mesh is an error.
 
     The plain shard remembers ``seq_dim`` (a Python attribute, no collective): :func:`gather_sequence` of that
@@ -180,7 +182,10 @@ def shard_sequence(
     dim = normalize_dim(seq_dim, x.ndim)
     if isinstance(x, DTensor):
         _require_mesh(x, mesh, "shard_sequence")
-        out = x.redistribute(mesh, [Shard(dim)])
+        # bounded, not contained: the collective (a reduce-scatter from Partial, an all-to-all from another
+        # Shard) is DTensor's own, with no local step of wf_mesh's inside to catch; its backward is unbounded
+        with waits.bounded(mesh.get_group(), "shard_sequence"):
+            out = x.redistribute(mesh, [Shard(dim)])
         return out if as_dtensor else _record_shard(out.to_local(), dim, "shard_sequence")
     local = local_chunk(x, dim, mesh.size(), mesh.get_local_rank())
     return (

@@ -10,13 +10,14 @@ original side effect: the temporal share of the CP degree it planned, read as ``
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from wf_mesh import agreement
+from wf_mesh import agreement, errors, waits
 from wf_mesh.collectives import broadcast, pickle_allowed
 from wf_mesh.context_parallel import (
     broadcast_shard,
@@ -24,6 +25,7 @@ from wf_mesh.context_parallel import (
     normalize_dim,
     shard_sequence,
 )
+from wf_mesh.faults import FaultSequence
 from wf_mesh.legacy.errors import LegacyIndivisibleSequenceError
 from wf_mesh.mesh import parallel_mesh_or_none, register_extension
 from wf_mesh.sizing import split_range
@@ -290,6 +292,9 @@ def split_inputs_cp_object_list(object_list: list, cp_group: dist.ProcessGroup |
 @dataclasses.dataclass(frozen=True)
 class _ObjectListFacts(agreement.Facts):
     length: int = agreement.fact(label="list length")  # may differ: validation only, every rank passed a list
+    pickled_bytes: int = 0
+    """The length of this rank's pickled list (the all-gather pads every rank's to the longest)."""
+    pickled: bytes = agreement.fact(local=True, default=b"")
 
 
 def cat_outputs_cp_object_list(
@@ -297,16 +302,19 @@ def cat_outputs_cp_object_list(
 ) -> list:
     """Every rank's list concatenated in group-rank order (ranks may hold different lengths, also zero).
 
-    The items travel pickled (``all_gather_object``), so every rank must allow pickle (``allow_pickle``,
-    default the environment's ``WF_MESH_ALLOW_PICKLE``).
+    The items travel pickled, so every rank must allow pickle (``allow_pickle``, default the environment's
+    ``WF_MESH_ALLOW_PICKLE``). Each rank pickles its list while it validates, so the agreement carries the
+    pickles' sizes: then one all-gather of the pickles padded to the longest (``all_gather_object`` takes
+    two). Contained (:mod:`wf_mesh.faults`): the copy into the send buffer and the unpickling of the parts.
 
     Returns:
         The concatenated list; ``object_list`` itself for ``cp_group=None`` or a one-rank group.
 
     Raises:
-        TypeError: (on every rank, before anything is pickled) a rank refuses pickle, or passed something
-            else than a list or tuple.
-        RuntimeError: ``"Failed to gather objects"``, chained to the failed gather's error.
+        TypeError: (on every rank, before any data moves) a rank refuses pickle, passed something else than a
+            list or tuple, or holds an item pickle cannot take.
+        RuntimeError: ``"Failed to gather objects"``, chained to the failed all-gather's error.
+        CollectiveTimeoutError: (a RuntimeError too) a peer did not answer within the group's timeout.
     """
     group = _active(cp_group)
     if group is None:
@@ -321,12 +329,46 @@ def cat_outputs_cp_object_list(
                 "the objects travel pickled and pickle is off on this rank (allow_pickle=False or "
                 "WF_MESH_ALLOW_PICKLE=0)"
             )
-        return _ObjectListFacts(length=len(object_list))
+        try:
+            pickled = pickle.dumps(list(object_list))
+        except Exception as exc:
+            raise TypeError(f"cannot pickle this rank's objects: {type(exc).__name__}: {exc}") from None
+        return _ObjectListFacts(length=len(object_list), pickled_bytes=len(pickled), pickled=pickled)
 
-    agreement.agree(group, facts, what="cat_outputs_cp_object_list", required=True)
-    gathered: list = [None] * dist.get_world_size(group)
+    what = "cat_outputs_cp_object_list"
+    agreed = agreement.agree(group, facts, what=what, required=True)
+    sizes = agreed.values("pickled_bytes")
+    width, index, device = max(sizes), dist.get_rank(group), agreement.comm_device(group)
+    received = torch.empty(len(sizes) * width, dtype=torch.uint8, device=device)
+    seq = FaultSequence(group, what)
+    send = seq.step(("copy-in", 1, 1), _padded_pickle, agreed.mine.pickled, width, device)
+    if send is None:  # the peers still expect this rank's part: send the buffer already held, marked failed
+        send = received[index * width : (index + 1) * width]
+        send[0] = _FAILED
     try:
-        dist.all_gather_object(gathered, list(object_list), group=group)
+        with waits.bounded(group, what):
+            dist.all_gather_single(received, send, group=group)
+    except errors.CollectiveTimeoutError:
+        raise
     except RuntimeError as e:
         raise RuntimeError("Failed to gather objects") from e
-    return [item for part in gathered for item in part]
+    parts = seq.step(("unpickle", 1, 1), _unpickled_parts, received, sizes, width)
+    seq.close()
+    return [item for part in parts for item in part]
+
+
+def _padded_pickle(pickled: bytes, width: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(width, dtype=torch.uint8)
+    out[: len(pickled)] = torch.frombuffer(bytearray(pickled), dtype=torch.uint8)
+    return out.to(device)
+
+
+_FAILED = 0
+"""The first byte of the part a rank whose copy-in failed sends (a pickle starts with its PROTO opcode, 0x80)."""
+
+
+def _unpickled_parts(received: torch.Tensor, sizes: list[int], width: int) -> list[list]:
+    """Each rank's list; a failed rank's part is left out (its verdict comes at the close)."""
+    data = received.cpu().numpy().tobytes()
+    parts = [data[r * width : r * width + n] for r, n in enumerate(sizes)]
+    return [pickle.loads(part) for part in parts if part[0] != _FAILED]
