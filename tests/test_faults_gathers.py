@@ -159,3 +159,55 @@ def uncontained_counts():
 
 def test_without_containment_a_gather_pays_no_closing_exchange():
     assert run_distributed(2, uncontained_counts) == [(2, 0)] * 2
+
+
+def compiled_gather(failing_rank: int, where: str, rule: str):
+    """gather_sequence under torch.compile: the graph dynamo hands its backend, the full tensor and the shard's
+    gradient, a contained failure at ``where`` on ``failing_rank``, and the next compiled call."""
+    pm = wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=dist.get_world_size()), contain_faults=True)
+    targets: list[str] = []
+
+    def recording(gm, example_inputs):  # a torch.compile backend: note the graph's calls, run it as traced
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    gather = torch.compile(lambda t: wf_mesh.gather_sequence(t, 1, mesh=pm, grad=rule), backend=recording)
+
+    def step():
+        local = wf_mesh.shard_sequence(sample(SHAPE), 1, mesh=pm).detach().requires_grad_()
+        full = gather(local)
+        (full.sin() * weights(0 if rule == "replicate" else dist.get_rank())).sum().backward()
+        return full.detach(), local.grad
+
+    first = step()
+    mine = dist.get_rank() == failing_rank
+    fault = injected_fault(where, 1, MemoryError("simulated")) if mine else contextlib.nullcontext()
+    outcome, took = caught(step, fault)
+    again = step()
+    pm.destroy()
+    return targets, first, outcome, took, again
+
+
+@pytest.mark.slow  # torch.compile
+@pytest.mark.parametrize(
+    "world, failing_rank, where, rule",
+    [(2, 1, "copy-in", "replicate"), (4, 2, "copy-out", "partial"), (4, 3, "backward copy-out", "partial")],
+)
+def test_gather_sequence_under_compile_is_our_contained_op_and_exact(world, failing_rank, where, rule):
+    want = (
+        f"gather_sequence: rank {failing_rank}: failed at {where} 1 of 1: MemoryError: simulated "
+        f"(raised on every rank of the group {list(range(world))})"
+    )
+    x, expected = sample(SHAPE), torch.chunk(reference_grad(rule, world), world, 1)
+    for rank, (targets, first, outcome, took, again) in enumerate(
+        run_distributed(world, compiled_gather, failing_rank, where, rule)
+    ):
+        assert "wf_mesh.gather_sequence.default" in targets, (rank, targets)
+        # dynamo may trace the agreement's row all-gather (then breaks the graph at its .tolist()): at most
+        # that one; DTensor's full_tensor would add its own
+        assert targets.count("_c10d_functional.all_gather_into_tensor") <= 1, (rank, targets)
+        for full, grad in (first, again):
+            assert torch.equal(full, x), rank
+            assert torch.allclose(grad, expected[rank], rtol=1e-6, atol=1e-6), rank
+        assert outcome == ("MemoryError", want), rank
+        assert took < HANG_BOUND_S, rank

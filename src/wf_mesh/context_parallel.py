@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from wf_mesh import _compat, agreement, waits
 from wf_mesh.collectives import bytes_of, tensor_from_bytes
@@ -283,7 +283,8 @@ def gather_sequence(
 
     Contained (:mod:`wf_mesh.faults`, when on): a rank whose copy-in, copy-out or backward local step raises
     makes every rank of the cp group raise its error, and the next call is exact. Under ``torch.compile`` the
-    data path is DTensor's ``full_tensor`` (what dynamo traces), not contained.
+    graph holds the same all-gather and backward as custom ops (``wf_mesh::gather_sequence``), so it is
+    contained and bounded there too; the agreement exchange stays eager (a graph break, none with checks off).
 
     Returns:
         The full tensor, a plain tensor on every rank.
@@ -312,20 +313,24 @@ def gather_sequence(
                 f"gather_sequence: local length {x.shape[dim]} along dim {dim} is not shard {index} of "
                 f"seq_len={total} over {parts} ranks ({chunk_sizes(total, parts)})"
             )
-    if torch.compiler.is_compiling():  # dynamo traces DTensor's collectives, not ours (and no containment)
-        if isinstance(x, DTensor):
-            local = x
-        else:
-            local = sequence_dtensor(x, dim, x.shape[:dim] + (total,) + x.shape[dim + 1 :], mesh=group_mesh)
-        if local.dtype in BYTE_DTYPES:
-            return _gather_bytes(local, group_mesh)
-        return local.full_tensor(grad_placements=[Replicate() if grad == "replicate" else Partial()])
     shard = _compat.wait_if_async(x.to_local()) if isinstance(x, DTensor) else x
     layout = _Layout(group_mesh.get_group(), dim, tuple(chunk_sizes(total, parts)), index)
     if shard.dtype in BYTE_DTYPES:  # each element's bytes along one more trailing dim: seq_dim keeps its meaning
         raw = shard.detach().unsqueeze(-1).view(torch.uint8)
-        return _gather(raw, layout).view(shard.dtype).squeeze(-1)
-    return typing.cast(torch.Tensor, _Gather.apply(shard, layout, grad))
+        return _gather_any(raw, layout, grad).view(shard.dtype).squeeze(-1)
+    return _gather_any(shard, layout, grad)
+
+
+def _gather_any(shard: torch.Tensor, layout: _Layout, rule: str) -> torch.Tensor:
+    """The gather of :func:`gather_sequence`, eager or compiled: under ``torch.compile`` the graph holds
+    :func:`gather_sequence_op` (the same contained, bounded all-gather, run eagerly inside the op).
+
+    Returns:
+        The full tensor.
+    """
+    if torch.compiler.is_compiling():
+        return gather_sequence_op(shard, layout.group.group_name, layout.dim, list(layout.sizes), layout.index, rule)
+    return typing.cast(torch.Tensor, _Gather.apply(shard, layout, rule))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,20 +361,60 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: typing.Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        layout: _Layout = ctx.layout
-        seq = FaultSequence(layout.group, "gather_sequence")
-        if ctx.rule == "replicate":  # every rank holds the same gradient: this rank's slice, no collective
-            mine = seq.step(("backward slice", 1, 1), _slice, grad, layout)
-        else:  # each rank's gradient of the whole: the sum of every rank's, sliced
-            send = seq.step(("backward copy-in", 1, 1), _stacked, grad, layout)
-            if send is None:  # the peers still expect this rank's part of the sum
-                send = grad.new_zeros(_flat_shape(layout.padded(grad.shape), len(layout.sizes)))
-            summed = grad.new_empty(layout.padded(grad.shape))
-            with waits.bounded(layout.group, "gather_sequence backward"):
-                dist.reduce_scatter_single(summed, send, group=layout.group)
-            mine = seq.step(("backward copy-out", 1, 1), _unpadded, summed, layout)
-        seq.close()
-        return mine, None, None
+        return _gather_backward(grad, ctx.layout, ctx.rule), None, None
+
+
+def _gather_backward(grad: torch.Tensor, layout: _Layout, rule: str) -> torch.Tensor:
+    """This rank's shard of the gradient of a gather's output, by the grad rule, contained."""
+    seq = FaultSequence(layout.group, "gather_sequence")
+    if rule == "replicate":  # every rank holds the same gradient: this rank's slice, no collective
+        mine = seq.step(("backward slice", 1, 1), _slice, grad, layout)
+    else:  # each rank's gradient of the whole: the sum of every rank's, sliced
+        send = seq.step(("backward copy-in", 1, 1), _stacked, grad, layout)
+        if send is None:  # the peers still expect this rank's part of the sum
+            send = grad.new_zeros(_flat_shape(layout.padded(grad.shape), len(layout.sizes)))
+        summed = grad.new_empty(layout.padded(grad.shape))
+        with waits.bounded(layout.group, "gather_sequence backward"):
+            dist.reduce_scatter_single(summed, send, group=layout.group)
+        mine = seq.step(("backward copy-out", 1, 1), _unpadded, summed, layout)
+    seq.close()
+    return typing.cast(torch.Tensor, mine)
+
+
+@torch.library.custom_op("wf_mesh::gather_sequence", mutates_args=())
+def gather_sequence_op(
+    shard: torch.Tensor, group: str, dim: int, sizes: list[int], index: int, rule: str
+) -> torch.Tensor:
+    """:func:`gather_sequence`'s all-gather on the group named ``group`` (what a compiled graph holds)."""
+    return _gather(shard, _Layout(_compat.resolve_group(group), dim, tuple(sizes), index))
+
+
+@gather_sequence_op.register_fake
+def _(shard, group, dim, sizes, index, rule):
+    return shard.new_empty((*shard.shape[:dim], sum(sizes), *shard.shape[dim + 1 :]))
+
+
+@torch.library.custom_op("wf_mesh::gather_sequence_backward", mutates_args=())
+def gather_sequence_backward_op(
+    grad: torch.Tensor, group: str, dim: int, sizes: list[int], index: int, rule: str
+) -> torch.Tensor:
+    """:func:`gather_sequence_op`'s backward by the grad rule ``rule``."""
+    return _gather_backward(grad, _Layout(_compat.resolve_group(group), dim, tuple(sizes), index), rule)
+
+
+@gather_sequence_backward_op.register_fake
+def _(grad, group, dim, sizes, index, rule):
+    return grad.new_empty((*grad.shape[:dim], sizes[index], *grad.shape[dim + 1 :]))
+
+
+def _gather_op_setup(ctx: typing.Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.args = inputs[1:]
+
+
+gather_sequence_op.register_autograd(
+    lambda ctx, grad: (gather_sequence_backward_op(grad, *ctx.args), None, None, None, None, None),
+    setup_context=_gather_op_setup,
+)
 
 
 def _gather(shard: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -448,21 +493,6 @@ BYTE_DTYPES = frozenset(
 )
 """Dtypes :func:`gather_sequence` moves as bytes: gloo (and, for 16-bit integers, NCCL) has no reduction type
 for them ("Invalid scalar type"); a gather needs none."""
-
-
-def _gather_bytes(local: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``local.full_tensor()`` moved as bytes: each element's bytes along one more trailing dim, so the
-    sequence dim keeps its meaning (the dtypes of :data:`BYTE_DTYPES` carry no gradient here).
-
-    Returns:
-        The full tensor, in ``local``'s dtype.
-    """
-    (placement,) = local.placements
-    assert isinstance(placement, Shard), "gather_sequence gathers Shard(dim) DTensors only"
-    shard = _compat.dtensor_local(local)
-    raw = shard.detach().unsqueeze(-1).view(torch.uint8)
-    whole = sequence_dtensor(raw, placement.dim, (*local.shape, raw.shape[-1]), mesh=mesh).full_tensor()
-    return whole.view(local.dtype).squeeze(-1)
 
 
 def _agreed_length(agreed: agreement.Agreed[_GatherFacts], parts: int) -> int:
