@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import time
 
 import torch
 
@@ -30,6 +31,19 @@ def sample(shape, seed=0, dtype=torch.float32):
     """The same pseudo-random tensor on every rank (its own generator: the global RNG is left alone)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def caught(fn, fault) -> tuple[tuple[str, str], float]:
+    """Run ``fn`` inside the context manager ``fault`` (an injected fault or a null context): ``((exception
+    type name, message) or ("returned", ""), seconds it took)``."""
+    start = time.monotonic()
+    try:
+        with fault:
+            fn()
+        outcome = ("returned", "")
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    return outcome, time.monotonic() - start
 
 
 def raised_everywhere(outcomes, error, match):

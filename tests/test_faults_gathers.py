@@ -7,7 +7,6 @@ reference."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import wf_mesh
 from wf_mesh.context_parallel import sequence_dtensor
 from wf_mesh.testing import injected_fault, run_distributed
 
-from helpers import sample
+from helpers import caught, sample
 
 HANG_BOUND_S = 60.0
 SHAPE = (2, 7, 3)  # 7 tokens: uneven over 2 (4, 3) and 4 (2, 2, 2, 1) ranks
@@ -34,17 +33,6 @@ def reference_grad(rule: str, world: int) -> torch.Tensor:
     sum((x.sin() * weights(r)).sum() for r in ranks).backward()
     assert x.grad is not None
     return x.grad
-
-
-def caught(fn, fault) -> tuple[tuple[str, str], float]:
-    start = time.monotonic()
-    try:
-        with fault:
-            fn()
-        outcome = ("returned", "")
-    except Exception as exc:
-        outcome = (type(exc).__name__, str(exc))
-    return outcome, time.monotonic() - start
 
 
 def gather_step(pm, rule: str, as_dtensor: bool):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import wf_mesh
 from wf_mesh.legacy.context_parallel import cat_outputs_cp_object_list
 from wf_mesh.testing import injected_fault, run_distributed
 
-from helpers import Opaque
+from helpers import Opaque, caught
 
 HANG_BOUND_S = 60.0
 
@@ -37,17 +36,6 @@ def _rebuilt(value):
     if dist.get_rank() == 2:
         raise ValueError(f"cannot rebuild {value} here")
     return Opaque(value)
-
-
-def caught(fn, fault) -> tuple[tuple[str, str], float]:
-    start = time.monotonic()
-    try:
-        with fault:
-            fn()
-        outcome = ("returned", "")
-    except Exception as exc:
-        outcome = (type(exc).__name__, str(exc))
-    return outcome, time.monotonic() - start
 
 
 def fault_on(rank: int, where: str):
