@@ -12,13 +12,14 @@ Each script measures paths side by side and reduces them to ratio rows::
 - ``meets``: the target judged on the median: ``"yes"`` or ``"NO"``; ``"not judged"`` in ``--quick`` runs (small
   sizes and few trials cannot judge a target); ``""`` without a target.
 
-A script writes ``{"benchmark", "quick", "rows", "results"}`` with :func:`write_json` (``results``: its raw
-numbers) and prints :func:`format_rows` of its rows; ``run.py`` reads every script's rows with :func:`read_rows`
-and prints them as one table.
+A script parses :func:`benchmark_parser`'s arguments, and :func:`report` prints :func:`format_rows` of its rows
+and writes ``{"benchmark", "quick", "rows", "results"}`` with :func:`write_json` (``results``: its raw
+numbers); ``run.py`` reads every script's rows with :func:`read_rows` and prints them as one table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -34,11 +35,13 @@ __all__ = [
     "above",
     "at_most",
     "below",
+    "benchmark_parser",
     "equals",
     "format_rows",
     "per_trial",
     "ratio_row",
     "read_rows",
+    "report",
     "write_json",
 ]
 
@@ -56,6 +59,23 @@ class Target(NamedTuple):
 
     text: str
     ok: Callable[[float], bool]
+
+
+def benchmark_parser(doc: str, quick: str = "small sizes and few iterations (smoke test)") -> argparse.ArgumentParser:
+    """The arguments every script takes, ``--quick`` (a smoke run: ``quick`` says what it shrinks) and
+    ``--json PATH``; a script adds its own before ``parse_args()``.
+
+    Args:
+        doc: the script's module docstring (its first line describes the script).
+        quick: the help text of ``--quick``.
+
+    Returns:
+        The parser.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", metavar="PATH", help="also write the ratio rows and results as JSON to PATH")
+    return parser
 
 
 def at_most(limit: float) -> Target:
@@ -127,6 +147,13 @@ def write_json(path: str, benchmark: str, quick: bool, rows: list[Row], results:
         check_row(row, f"{benchmark} row {i}")
     with open(path, "w") as f:
         json.dump({"benchmark": benchmark, "quick": quick, "rows": rows, "results": results}, f, indent=2, default=str)
+
+
+def report(benchmark: str, args: argparse.Namespace, rows: list[Row], results: dict) -> None:
+    """Print a script's rows as a table and, with ``--json PATH``, write them and its results there."""
+    print(format_rows(rows))
+    if args.json:
+        write_json(args.json, benchmark, args.quick, rows, results)
 
 
 def read_rows(path: str, benchmark: str) -> tuple[list[Row], dict]:

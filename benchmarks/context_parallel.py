@@ -21,7 +21,6 @@ Ratio rows (benchmarks/_report.py): per-trial ratios, their median and spread; t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
@@ -35,11 +34,11 @@ from wf_mesh.viz import format_table
 
 from _report import (  # benchmarks/ is on sys.path
     at_most,
+    benchmark_parser,
     equals,
-    format_rows,
     per_trial,
     ratio_row,
-    write_json,
+    report,
 )
 from _timing import compare_trials, timed_dist
 
@@ -165,10 +164,7 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the ratio rows and results here")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__).parse_args()
     big = (2, 512, 128) if args.quick else (2, 4096, 1024)
     iters, trials = (2, 2) if args.quick else (5, 5)
     small_iters = 10 if args.quick else 200
@@ -233,9 +229,7 @@ def main() -> None:
     print(format_table(head, table, align="r" * len(head)))
     rows = ratio_rows(results, args.quick)
     print()
-    print(format_rows(rows))
-    if args.json:
-        write_json(args.json, "context_parallel", args.quick, rows, results)
+    report("context_parallel", args, rows, results)
 
 
 if __name__ == "__main__":

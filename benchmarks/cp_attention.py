@@ -41,7 +41,6 @@ K/V / the full K/V, with the theory as the target (exact counts).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import os
@@ -63,11 +62,11 @@ from wf_mesh.testing import LocalCluster, c10d_ops, counting_backend, dispatched
 from _report import (  # benchmarks/ is on sys.path
     at_most,
     below,
+    benchmark_parser,
     equals,
-    format_rows,
     per_trial,
     ratio_row,
-    write_json,
+    report,
 )
 from _timing import compare_trials, timed_dist, timed_local
 
@@ -416,9 +415,7 @@ def print_plan_compile(runs: dict, dims, n: int, backend: str, row) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the ratio rows and results here")
+    parser = benchmark_parser(__doc__)
     parser.add_argument(
         "--compile-backend",
         default=None,
@@ -524,9 +521,7 @@ def main() -> None:
         "\npeak K/V fwd / held / bwd inbound: fractions of the full sequence's K/V (held = kept for backward;"
         " bwd inbound = every receive buffer in backward, fp32 dK/dV included)\n"
     )
-    print(format_rows(rows))
-    if args.json:
-        write_json(args.json, "cp_attention", args.quick, rows, results)
+    report("cp_attention", args, rows, results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ uneven sizes, each seeing the 3 chunks before it). At cp 4:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
@@ -33,7 +32,13 @@ from wf_mesh.load_balance import TARGET, balance_by_work, contiguous_segments, i
 from wf_mesh.ring_schedule import RingSkips, ring_needs
 from wf_mesh.testing import LocalCluster
 
-from _report import at_most, format_rows, per_trial, ratio_row, write_json  # benchmarks/ is on sys.path
+from _report import (  # benchmarks/ is on sys.path
+    at_most,
+    benchmark_parser,
+    per_trial,
+    ratio_row,
+    report,
+)
 from _timing import compare_trials, timed_dist
 
 CP = 4
@@ -95,10 +100,7 @@ def bench_times(dims, iters: int, trials: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the ratio rows and results here")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__).parse_args()
     torch.set_num_threads(1)  # like every rank of the cluster
     dims = (1, 8, 4, 256, 32) if args.quick else (1, 8, 4, 2048, 64)  # B, H, Hkv, S, D
     iters, trials = (1, 3) if args.quick else (2, 5)
@@ -147,9 +149,7 @@ def main() -> None:
             f"{statistics.median(sec['allgather']) * 1e3:>8.1f}"
         )
     print()
-    print(format_rows(rows))
-    if args.json:
-        write_json(args.json, "cp_attention_masks", args.quick, rows, results)
+    report("cp_attention_masks", args, rows, results)
 
 
 if __name__ == "__main__":

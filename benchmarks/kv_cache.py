@@ -24,7 +24,6 @@ outputs, whatever the cache length; the baseline's is its cache shard.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from functools import partial
@@ -38,7 +37,15 @@ from wf_mesh import faults
 from wf_mesh.attention_kernels import attend
 from wf_mesh.testing import LocalCluster
 
-from _report import at_most, below, equals, format_rows, per_trial, ratio_row, write_json  # benchmarks/ is on sys.path
+from _report import (  # benchmarks/ is on sys.path
+    at_most,
+    below,
+    benchmark_parser,
+    equals,
+    per_trial,
+    ratio_row,
+    report,
+)
 from _timing import compare_trials, timed_dist
 
 PATHS = ("kvcache", "baseline", "kvcache contained")
@@ -120,10 +127,7 @@ def bench(dims, sizes: tuple[int, ...], chunk: int, prefill: int, iters: int, tr
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the ratio rows and results here")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__).parse_args()
     torch.set_num_threads(1)  # like every rank of the cluster
     dims = (1, 8, 2, 32) if args.quick else (1, 8, 2, 64)  # B, H, Hkv, D
     sizes, chunk, prefill = ((256, 1024), 32, 256) if args.quick else ((4096, 16384), 256, 2048)
@@ -188,9 +192,7 @@ def main() -> None:
             equals(1.0, "= 1 (flat)"),
         )
     print()
-    print(format_rows(rows))
-    if args.json:
-        write_json(args.json, "kv_cache", args.quick, rows, results)
+    report("kv_cache", args, rows, results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Ratio rows (benchmarks/_report.py): each method's round-trip time / raw's, per r
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -33,6 +32,7 @@ from wf_mesh.testing import LocalCluster
 from wf_mesh.viz import format_table
 
 from _report import (  # benchmarks/ is on sys.path
+    benchmark_parser,
     format_rows,
     per_trial,
     ratio_row,
@@ -130,10 +130,7 @@ def ratio_rows(times: dict[str, dict[str, list[float]]], quick: bool) -> list[di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few iterations only (smoke run)")
-    parser.add_argument("--json", metavar="PATH", help="also write the ratio rows and the times as JSON to PATH")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__, quick="a few iterations only (smoke run)").parse_args()
     small_iters, big_iters, repeats = (20, 2, 2) if args.quick else (200, 5, 21)
 
     cluster = LocalCluster(2)

@@ -16,7 +16,6 @@ Ratio rows (benchmarks/_report.py): per-trial ratios, their median and spread.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
@@ -32,10 +31,10 @@ from wf_mesh.viz import format_table
 from _report import (  # benchmarks/ is on sys.path
     above,
     at_most,
-    format_rows,
+    benchmark_parser,
     per_trial,
     ratio_row,
-    write_json,
+    report,
 )
 from _timing import compare_trials, timed_dist
 
@@ -193,10 +192,7 @@ def ratio_rows(results: dict, quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
-    parser.add_argument("--json", help="also write the ratio rows and results here")
-    args = parser.parse_args()
+    args = benchmark_parser(__doc__).parse_args()
     large = (16, 2**16) if args.quick else (100, 10**6)  # 1M or 100M fp32 parameters
     small = (500, 256) if args.quick else (5000, 1024)
     iters, trials = (2, 3) if args.quick else (3, 7)
@@ -255,9 +251,7 @@ def main() -> None:
     print(format_table(head, table, align="r" * len(head)))
     rows = ratio_rows(results, args.quick)
     print()
-    print(format_rows(rows))
-    if args.json:
-        write_json(args.json, "state", args.quick, rows, results)
+    report("state", args, rows, results)
 
 
 if __name__ == "__main__":

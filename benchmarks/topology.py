@@ -47,6 +47,7 @@ from wf_mesh.viz import format_table
 
 from _report import (  # benchmarks/ is on sys.path
     below,
+    benchmark_parser,
     format_rows,
     per_trial,
     ratio_row,
@@ -240,9 +241,7 @@ def print_report(header: str, planning: dict, builds: list[dict], rows: list[dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1k ranks only, fewer repetitions (smoke test)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser = benchmark_parser(__doc__, quick="1k ranks only, fewer repetitions (smoke test)")
     parser.add_argument("--child", type=int, metavar="N", help=argparse.SUPPRESS)
     parser.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
