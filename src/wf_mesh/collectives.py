@@ -391,11 +391,11 @@ def _broadcast_pickled(
     with waits.bounded(group, "broadcast"):
         dist.broadcast(data, group=group, group_src=0)
     seq = FaultSequence(group, "broadcast")
-    value = item if is_source else seq.step(("unpickle", 1, 1), unpickled, data)
+    value = item if is_source else seq.step(("unpickle", 1, 1), _unpickled, data)
     seq.close()
     return value
 
 
-def unpickled(data: torch.Tensor) -> Any:
+def _unpickled(data: torch.Tensor) -> Any:
     """The object pickled in the uint8 tensor ``data`` (any device)."""
     return pickle.loads(data.cpu().numpy().tobytes())
