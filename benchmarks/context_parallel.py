@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import wf_mesh
-from wf_mesh import agreement, faults
+from wf_mesh import _compat, agreement, faults
 from wf_mesh.testing import LocalCluster
 from wf_mesh.viz import format_table
 
@@ -54,11 +54,11 @@ def gather_paths(shape: tuple[int, ...], iters: int, trials: int) -> dict[str, l
 
     def raw():  # allocates its gather buffer per call, as any function returning a new tensor does
         gathered = torch.empty((cp * local.shape[0], *local.shape[1:]))
-        dist.all_gather_single(gathered, local, group=group)
+        _compat.all_gather_single(gathered, local, group=group)
         return torch.cat(gathered.chunk(cp, 0), dim=1)
 
     def raw_reused():  # reuses one gather buffer across calls (only the reordered result is new)
-        dist.all_gather_single(out, local, group=group)
+        _compat.all_gather_single(out, local, group=group)
         return torch.cat(out.chunk(cp, 0), dim=1)
 
     def unchecked():  # the same call with the validation-only agreement exchange off (WF_MESH_CHECKS=0)

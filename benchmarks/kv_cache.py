@@ -33,7 +33,7 @@ import torch.distributed as dist
 from cp_attention import Traffic
 
 import wf_mesh
-from wf_mesh import faults
+from wf_mesh import _compat, faults
 from wf_mesh.attention_kernels import attend
 from wf_mesh.testing import LocalCluster
 
@@ -71,7 +71,7 @@ class GatheredCache:
         """This rank's queries against the whole cache and the whole chunk (every rank's shard of it)."""
         self.buffer[self.cached :, :, 0] = k.permute(2, 0, 1, 3)
         self.buffer[self.cached :, :, 1] = v.permute(2, 0, 1, 3)
-        dist.all_gather_single(self.gathered, self.buffer)
+        _compat.all_gather_single(self.gathered, self.buffer)
         keys, values = (self.gathered[:, :, i].permute(1, 2, 0, 3) for i in (0, 1))  # (B, Hkv, n * rows, D)
         return attend(q, keys, values, None, False, self.cache.scale, self.cache.kernel)[0]
 

@@ -1,5 +1,7 @@
 """Private torch API is touched in one module, src/wf_mesh/_compat.py (docs/design.md, "Style"): every other
-Python file of src/, tests/, benchmarks/ and examples/ is read with ast and may not use it.
+Python file of src/, tests/, benchmarks/ and examples/ is read with ast and may not use it. Neither may it use a
+public torch name that exists only in some of the supported releases (VERSION_GATED): _compat names it once, with
+its fallback.
 
 Private use is: importing a torch module or name whose path has a ``_private`` part (``torch.utils._python_dispatch``,
 ``from torch.distributed.tensor import _redistribute``), an underscore attribute of anything imported from
@@ -83,6 +85,50 @@ def test_compat_is_the_only_module_touching_private_torch_api():
         for line, what in private_uses(path.read_text(), internals)
     ]
     assert not offenders, "private torch API outside src/wf_mesh/_compat.py:\n" + "\n".join(offenders)
+
+
+# public torch names that some supported release lacks or renamed; each has a _compat shim of the same name
+VERSION_GATED = frozenset(
+    {"all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor"}
+)
+
+
+def version_gated_uses(source: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for every version-gated torch name read from a torch module or object in ``source``."""
+    tree = ast.parse(source)
+    roots = torch_names(tree)
+    found = [
+        (node.lineno, ast.unparse(node))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in VERSION_GATED and _root(node.value) in roots
+    ]
+    found += [
+        (node.lineno, f"from {node.module} import {a.name}")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and _from_torch(node.module)
+        for a in node.names
+        if a.name in VERSION_GATED
+    ]
+    return found
+
+
+def test_version_gated_torch_names_go_through_compat():
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {what}"
+        for path in FILES
+        for line, what in version_gated_uses(path.read_text())
+    ]
+    assert not offenders, "version-gated torch names outside src/wf_mesh/_compat.py:\n" + "\n".join(offenders)
+
+
+def test_every_version_gated_name_has_its_compat_shim():
+    from wf_mesh import _compat
+
+    assert {"all_gather_single", "reduce_scatter_single"} <= set(_compat.__all__)
+    assert version_gated_uses("import torch.distributed as dist\ndist.all_gather_single(o, i)\n")
+    assert version_gated_uses("from torch.distributed import reduce_scatter_single\n")
+    assert version_gated_uses("import torch\ntorch.distributed.all_gather_into_tensor(o, i)\n")
+    assert not version_gated_uses("from wf_mesh import _compat\n_compat.all_gather_single(o, i)\n")
 
 
 PLANTED = {

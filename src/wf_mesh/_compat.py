@@ -2,8 +2,12 @@
 
 Everything here is a small, named shim so that a torch upgrade is fixed in one place:
 
+- ``all_gather_single`` / ``reduce_scatter_single``: torch 2.13's names of ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` (the same calls), with the old names before 2.13. Public but version-gated, so
+  every caller goes through here (``tests/test_private_api.py`` keeps a deny-list of such names).
 - ``flatten`` / ``unflatten``: ``DeviceMesh._flatten`` builds a 1-D mesh (and its process groups) over several
-  axes; ``DeviceMesh._unflatten`` splits one axis into several (the cp sub-axes of USP attention).
+  axes; ``DeviceMesh._unflatten`` splits one axis into several (the cp sub-axes of USP attention), given by index
+  since torch 2.11 refuses an existing axis name.
 - ``default_group_timeout`` / ``group_timeout``: a group's timeout lives on its backend's private options.
 - ``backend_options``: per-group options (``ProcessGroupGloo._Options``, ``ProcessGroupNCCL.Options``) carrying
   the timeout; ``new_group`` otherwise falls back to torch's global 30-minute default, not the timeout the
@@ -16,7 +20,8 @@ Everything here is a small, named shim so that a torch upgrade is fixed in one p
   registered by a module under ``torch.testing._internal``.
 - ``process_groups`` / ``new_group_calls``: the groups this process holds and the ``new_group`` calls made,
   read from ``distributed_c10d._world`` (``wf_mesh.testing`` counts and cleans up groups with them).
-- ``dtensor_local`` / ``wait_if_async`` / ``reshard_fsdp_modules`` (shard-local EMA and state broadcast):
+- ``dtensor_local`` / ``wait_if_async`` / ``reshard_fsdp_modules`` / ``fsdp_param_groups`` (shard-local EMA and
+  state broadcast; FSDP2's parameter groups are a list from torch 2.12, one optional group before):
   ``DTensor._local_tensor`` is the shard object itself (``to_local()`` on an ``nn.Parameter`` DTensor returns a
   fresh view per call, useless for cheap identity checks); ``AsyncCollectiveTensor`` lives in a private
   module; FSDP2 exposes no public "is this module resharded?" query.
@@ -63,6 +68,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "all_gather_single",
     "backend_options",
     "clear_dtensor_caches",
     "default_group_timeout",
@@ -92,12 +98,18 @@ __all__ = [
     "process_groups",
     "register_fake_backend",
     "release_meshes",
+    "fsdp_param_groups",
+    "reduce_scatter_single",
     "reshard_fsdp_modules",
     "unflatten",
     "wait_if_async",
 ]
 
 NCCL_OPTION_KEYS = ("cga_cluster_size", "max_ctas", "min_ctas")
+
+# torch 2.13 renamed the single-tensor collectives (same arguments; the old names warn from then on)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def flatten(submesh: DeviceMesh, name: str, options: Any | None = None) -> DeviceMesh:
@@ -109,7 +121,9 @@ def unflatten(
     mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...], options: Mapping[str, Any] | None
 ) -> DeviceMesh:
     """Split ``mesh``'s ``axis`` into ``names`` of ``sizes`` (first slowest); creates the new axes' groups only."""
-    return mesh._unflatten(axis, sizes, names, backend_override=dict(options) if options else None)
+    # by index: torch 2.11's _unflatten rejects an axis *name* that exists (its membership check is inverted)
+    dim = list(mesh.mesh_dim_names or ()).index(axis)
+    return mesh._unflatten(dim, sizes, names, backend_override=dict(options) if options else None)
 
 
 def default_group_timeout() -> datetime.timedelta:
@@ -273,10 +287,19 @@ def reshard_fsdp_modules(model: torch.nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
-        if isinstance(module, FSDPModule) and not all(
-            group.is_sharded for group in module._get_fsdp_state()._fsdp_param_groups
-        ):
+        if isinstance(module, FSDPModule) and not all(group.is_sharded for group in fsdp_param_groups(module)):
             module.reshard()
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of a ``fully_shard``-ed module."""
+    # a list since torch 2.12; one optional group (``_fsdp_param_group``) before
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def clear_dtensor_caches() -> None:

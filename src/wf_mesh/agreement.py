@@ -477,7 +477,7 @@ def agree(
     sent = torch.frombuffer(array.array("q", row), dtype=torch.int64).to(device)
     gathered = torch.empty(size * ROW, dtype=torch.int64, device=device)
     with waits.bounded(group, what):
-        dist.all_gather_single(gathered, sent, group=group)
+        _compat.all_gather_single(gathered, sent, group=group)
     table = gathered.view(size, ROW).tolist()
     calls = [r[0] for r in table]
     if any(c != calls[0] for c in calls) or any(r[1] != _OK for r in table):
@@ -556,14 +556,14 @@ def _gather_messages(
     if any(n < 0 for n in lengths):
         mine = torch.tensor([len(message)], dtype=torch.int64, device=device)
         every = torch.empty(len(lengths), dtype=torch.int64, device=device)
-        dist.all_gather_single(every, mine, group=group)
+        _compat.all_gather_single(every, mine, group=group)
         lengths = every.tolist()
     width = max(max(lengths), 1)
     padded = torch.zeros(width, dtype=torch.uint8)
     if message:
         padded[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     every = torch.empty(len(lengths) * width, dtype=torch.uint8, device=device)
-    dist.all_gather_single(every, padded.to(device), group=group)
+    _compat.all_gather_single(every, padded.to(device), group=group)
     rows = every.view(len(lengths), width).cpu()
     return [bytes(rows[i, :n].tolist()).decode("utf-8", "replace") for i, n in enumerate(lengths)]
 

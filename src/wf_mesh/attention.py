@@ -768,7 +768,7 @@ def zigzag_gather(local: torch.Tensor, seq_dim: int, *, mesh: MeshArg = None, se
     send[: moved.shape[0]] = moved
     recv = send.new_empty(n * longest, *moved.shape[1:])
     with waits.bounded(cp.get_group(), "cp_attention"):
-        dist.all_gather_single(recv, send, group=cp.get_group())
+        _compat.all_gather_single(recv, send, group=cp.get_group())
     placed = sorted(((r, s) for r, segments in enumerate(layout) for s in segments), key=lambda rs: rs[1].start)
     pieces = [recv[r * longest + s.offset : r * longest + s.offset + s.length] for r, s in placed]
     return torch.cat(pieces, dim=0).movedim(0, dim)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wf_mesh import waits
+from wf_mesh import _compat, waits
 from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
 from wf_mesh.faults import FaultSequence
 from wf_mesh.masks import Range
@@ -543,7 +543,7 @@ class GatherKV(torch.autograd.Function):
         send[:s, 1] = v.permute(2, 0, 1, 3)
         recv = k.new_empty(group.size() * longest, 2, b, h, d)
         with waits.bounded(group, "cp_attention"):
-            dist.all_gather_single(recv, send, group=group)
+            _compat.all_gather_single(recv, send, group=group)
         ctx.group, ctx.local = group, s
         return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3)
 
@@ -553,7 +553,7 @@ class GatherKV(torch.autograd.Function):
         grads = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1)
         recv = grads.new_empty(grads.shape[0] // ctx.group.size(), *grads.shape[1:])
         with waits.bounded(ctx.group, "cp_attention"):
-            dist.reduce_scatter_single(recv, grads, group=ctx.group)
+            _compat.reduce_scatter_single(recv, grads, group=ctx.group)
         recv = recv[: ctx.local]
         return recv[:, 0].permute(1, 2, 0, 3), recv[:, 1].permute(1, 2, 0, 3), None, None
 
@@ -564,7 +564,7 @@ def gather_mask_padded(pad: torch.Tensor, group: dist.ProcessGroup, longest: int
     send[: pad.shape[1]] = pad.t()
     recv = pad.new_empty(group.size() * longest, pad.shape[0])
     with waits.bounded(group, "cp_attention"):
-        dist.all_gather_single(recv, send, group=group)
+        _compat.all_gather_single(recv, send, group=group)
     return recv.t()
 
 
@@ -728,7 +728,7 @@ def gather_kv_op(k: torch.Tensor, v: torch.Tensor, group: str, longest: int) -> 
     pg = _group(group)
     recv = k.new_empty(pg.size() * longest, 2, b, h, d)
     with waits.bounded(pg, "cp_attention"):
-        dist.all_gather_single(recv, send, group=pg)
+        _compat.all_gather_single(recv, send, group=pg)
     return recv
 
 
@@ -744,7 +744,7 @@ def scatter_kv_grad_op(grad: torch.Tensor, group: str) -> torch.Tensor:
     pg = _group(group)
     recv = grad.new_empty(grad.shape[0] // pg.size(), *grad.shape[1:])
     with waits.bounded(pg, "cp_attention"):
-        dist.reduce_scatter_single(recv, grad.contiguous(), group=pg)
+        _compat.reduce_scatter_single(recv, grad.contiguous(), group=pg)
     return recv
 
 

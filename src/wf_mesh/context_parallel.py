@@ -375,7 +375,7 @@ def _gather_backward(grad: torch.Tensor, layout: _Layout, rule: str) -> torch.Te
             send = grad.new_zeros(_flat_shape(layout.padded(grad.shape), len(layout.sizes)))
         summed = grad.new_empty(layout.padded(grad.shape))
         with waits.bounded(layout.group, "gather_sequence backward"):
-            dist.reduce_scatter_single(summed, send, group=layout.group)
+            _compat.reduce_scatter_single(summed, send, group=layout.group)
         mine = seq.step(("backward copy-out", 1, 1), _unpadded, summed, layout)
     seq.close()
     return typing.cast(torch.Tensor, mine)
@@ -427,7 +427,7 @@ def _gather(shard: torch.Tensor, layout: _Layout) -> torch.Tensor:
     if send is None:  # the peers still expect this rank's block: send the buffer already held
         send = received[layout.index]
     with waits.bounded(layout.group, "gather_sequence"):
-        dist.all_gather_single(flat, send, group=layout.group)
+        _compat.all_gather_single(flat, send, group=layout.group)
     full = seq.step(("copy-out", 1, 1), _joined, received, flat, layout)
     seq.close()
     return typing.cast(torch.Tensor, full)

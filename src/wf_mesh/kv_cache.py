@@ -76,7 +76,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from wf_mesh import waits
+from wf_mesh import _compat, waits
 from wf_mesh.agreement import Facts, agree, fact
 from wf_mesh.attention_kernels import accumulation_dtype, attend, choose_kernel
 from wf_mesh.attention_plan import MeshArg, cp_of
@@ -429,7 +429,7 @@ class KVCacheStep:
         send[: moved.shape[0]] = moved
         recv = send.new_empty(cache._n * longest, *moved.shape[1:])
         with waits.bounded(cache._group, "KVCacheStep.gather"):
-            dist.all_gather_single(recv, send, group=cache._group)
+            _compat.all_gather_single(recv, send, group=cache._group)
         pieces = [recv[r * longest : r * longest + s] for r, s in enumerate(self.sizes)]
         return torch.cat(pieces, dim=0).movedim(0, dim)
 
@@ -523,7 +523,7 @@ class KVCacheStep:
         seq.step(("cache append of layer", *at), self._append, store, k, v, q, send)
         queries = torch.empty(n * longest, b, h, d, dtype=cache.dtype, device=cache.device)
         with waits.bounded(cache._group, "KVCache.attend"):
-            dist.all_gather_single(queries, send, group=cache._group)
+            _compat.all_gather_single(queries, send, group=cache._group)
         partial = torch.empty(n * longest, b, h, d + 1, dtype=acc, device=cache.device)
         seq.step(("local attention of layer", *at), self._local, store, queries.permute(1, 2, 0, 3), partial)
         parts = torch.empty_like(partial)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from wf_mesh import agreement, errors, waits
+from wf_mesh import _compat, agreement, errors, waits
 from wf_mesh.collectives import broadcast, pickle_allowed
 from wf_mesh.context_parallel import (
     broadcast_shard,
@@ -347,7 +347,7 @@ def cat_outputs_cp_object_list(
         send[0] = _FAILED
     try:
         with waits.bounded(group, what):
-            dist.all_gather_single(received, send, group=group)
+            _compat.all_gather_single(received, send, group=group)
     except errors.CollectiveTimeoutError:
         raise
     except RuntimeError as e:
