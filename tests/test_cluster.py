@@ -130,3 +130,41 @@ def test_a_result_the_pipe_cannot_carry_is_an_error_not_a_dead_worker():
     with pytest.raises(TypeError, match="the result of non_leaf_requiring_grad is not picklable: Cowardly refusing"):
         run_distributed(2, non_leaf_requiring_grad)
     assert run_distributed(2, whoami) == [(0, 2, False), (1, 2, False)]  # the same workers carry on
+
+
+def break_clean_up_then(raise_on_rank):
+    """Register an upper layer's per-mesh state whose reset fails (the clean-up after every run resets it)."""
+
+    def broken_reset(destroy_process_groups):
+        raise OSError("the extension's reset failed")
+
+    wf_mesh.mesh.register_extension("test.broken_reset", broken_reset)
+    if dist.get_rank() == raise_on_rank:
+        raise ValueError(f"the function's own error on rank {raise_on_rank}")
+    return "fine"
+
+
+def test_a_failed_clean_up_never_hides_the_functions_error():
+    with pytest.raises(ValueError, match="the function's own error on rank 1") as info:
+        run_distributed(2, break_clean_up_then, 1)
+    notes = "\n".join(info.value.__notes__)
+    assert "failed to clean up after break_clean_up_then" in notes and "the extension's reset failed" in notes
+    with pytest.raises(RuntimeError, match="failed to clean up after break_clean_up_then"):  # nothing else failed
+        run_distributed(2, break_clean_up_then, -1)
+    assert run_distributed(2, whoami) == [(0, 2, False), (1, 2, False)]  # restarted, without the broken reset
+
+
+def legacy_modules_after_a_native_run():
+    wf_mesh.init_parallel(wf_mesh.ParallelDims(cp=2))
+    return sorted(m for m in sys.modules if m.startswith(("wf_mesh.legacy", "wf_mesh.parallel_state", "loguru")))
+
+
+def test_the_clean_up_of_a_native_run_imports_no_legacy_module():
+    """A fresh pool runs a native function twice: the clean-up in between loaded neither the legacy layer nor
+    loguru (a machine without loguru runs the GPU check on this path)."""
+    cluster = LocalCluster(2)
+    try:
+        cluster.run(legacy_modules_after_a_native_run)
+        assert cluster.run(legacy_modules_after_a_native_run) == [[], []]
+    finally:
+        cluster.shutdown()

@@ -15,9 +15,10 @@ LAYERS = {
     1: [
         "_compat",
         "waits",
+        "p2p",
         "agreement",
         "faults",
-    ],  # torch glue: private torch API, bounded waits, the agreement exchange, fault containment
+    ],  # torch glue: private torch API, bounded waits, point-to-point transfers, the agreement exchange, fault containment
     2: ["mesh"],  # the one mesh
     3: [
         "context_parallel",

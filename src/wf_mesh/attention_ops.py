@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wf_mesh import _compat, waits
+from wf_mesh import _compat, p2p, waits
 from wf_mesh.attention_kernels import Kernel, accumulation_dtype, attend, attend_backward
 from wf_mesh.faults import FaultSequence
 from wf_mesh.masks import Range
@@ -267,13 +267,13 @@ class _Hop:
             for _, like, length, dtype in recvs
         ]
         ops = [
-            dist.P2POp(op, _wire(t), group=group, group_peer=peer)
+            (op, _wire(t), peer)
             for op, messages in ((dist.isend, sends), (dist.irecv, list(zip((r[0] for r in recvs), self.recv))))
             for peer, tensors in messages
             for t in tensors
             if t is not None and t.numel()
         ]
-        self.requests = dist.batch_isend_irecv(ops) if ops else []
+        self.requests = p2p.batch_isend_irecv(ops, group) if ops else []
         self.ops, self.group = ops, group
 
     def wait(self) -> list[tuple[Any, ...]]:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from wf_mesh import agreement, waits
+from wf_mesh import agreement, p2p, waits
 from wf_mesh.faults import FaultSequence
 from wf_mesh.mesh import ParallelMesh, get_parallel_mesh
 from wf_mesh.topology import as_int
@@ -94,7 +94,7 @@ class P2PWork:
 
     __slots__ = ("group", "what", "work")
 
-    def __init__(self, work: dist.Work, group: dist.ProcessGroup | None = None, what: str = "pipeline P2P") -> None:
+    def __init__(self, work: p2p.Work, group: dist.ProcessGroup | None = None, what: str = "pipeline P2P") -> None:
         self.work = work
         self.group = group
         self.what = what
@@ -116,14 +116,14 @@ class P2PWork:
         return self.work.is_completed()
 
 
-def _posted(work: dist.Work | None) -> dist.Work:
+def _posted(work: p2p.Work | None) -> p2p.Work:
     """The handle torch returned for a point-to-point op (None only for a rank outside the group: never a link)."""
     if work is None:
         raise RuntimeError("a point-to-point op on the pp group returned no work: this rank is not in the group")
     return work
 
 
-def _wait_once(work: dist.Work, group: dist.ProcessGroup | None, what: str) -> None:
+def _wait_once(work: p2p.Work, group: dist.ProcessGroup | None, what: str) -> None:
     # gloo: waiting a completed point-to-point work again blocks until the timeout
     if not work.is_completed():
         with waits.bounded(group, what):
@@ -143,7 +143,7 @@ class PendingRecv:
     def __init__(
         self,
         tensor: torch.Tensor,
-        work: dist.Work | None,
+        work: p2p.Work | None,
         headers: _Headers | None = None,
         *,
         group: dist.ProcessGroup | None = None,
@@ -155,7 +155,7 @@ class PendingRecv:
         self.what = what
         self._headers = headers
         self._header: torch.Tensor | None = None
-        self._header_work: dist.Work | None = None
+        self._header_work: p2p.Work | None = None
         self._src = -1
         self._error: str | None = None
 
@@ -170,7 +170,7 @@ class PendingRecv:
             _wait_once(work, self.group, self.what)
             raise ValueError(self._error)
 
-    def payload_work(self) -> dist.Work:
+    def payload_work(self) -> p2p.Work:
         """The handle torch returned for the payload receive (checked mode: posted once the header is settled)."""
         if self.work is None and self._headers is not None:
             self._headers.settle(self)
@@ -208,7 +208,7 @@ class _Headers:
         self.settle_from(src)  # the previous receive's payload must be posted before this header
         pending = PendingRecv(buffer, None, self, group=self.link.group, what=self.link._what("receive from", src))
         pending._header, pending._src = self.empty(), src
-        pending._header_work = dist.irecv(pending._header, group=self.link.group, group_src=src)
+        pending._header_work = p2p.irecv(pending._header, group=self.link.group, group_src=src)
         self.unsettled[src] = pending
         return pending
 
@@ -230,7 +230,7 @@ class _Headers:
             pending.work = header_work
             return
         target, pending._error = self.verify(header, pending.tensor, pending._src)
-        pending.work = dist.irecv(target, group=self.link.group, group_src=pending._src)
+        pending.work = p2p.irecv(target, group=self.link.group, group_src=pending._src)
 
     def verify(self, header: torch.Tensor, buffer: torch.Tensor, src: int) -> tuple[torch.Tensor, str | None]:
         """Where the payload of ``header`` goes, and what is wrong with it.
@@ -327,11 +327,11 @@ class PipelineP2P:
         seq = self._sequence
         if tensor is None and seq is not None and (seq.failed or seq.skipping) and self._headers is not None:
             failed = agreement.header_row(_FAILED, _FailedStep(), self.device)  # instead of header and payload
-            return self._track(_posted(dist.isend(failed, group=self.group, group_dst=group_dst)), group_dst)
+            return self._track(_posted(p2p.isend(failed, group=self.group, group_dst=group_dst)), group_dst)
         tensor = self._check_tensor(tensor, "send").contiguous()
         if self._headers is not None:
-            self._track(_posted(dist.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst)), group_dst)
-        return self._track(_posted(dist.isend(tensor, group=self.group, group_dst=group_dst)), group_dst)
+            self._track(_posted(p2p.isend(self._headers.of(tensor), group=self.group, group_dst=group_dst)), group_dst)
+        return self._track(_posted(p2p.isend(tensor, group=self.group, group_dst=group_dst)), group_dst)
 
     @contextlib.contextmanager
     def contained(self, what: str = "pipeline step") -> Iterator[FaultSequence]:
@@ -412,7 +412,7 @@ class PipelineP2P:
             )
         if self._headers is not None:
             return self._headers.post(buffer, group_src)
-        work = dist.irecv(buffer, group=self.group, group_src=group_src)
+        work = p2p.irecv(buffer, group=self.group, group_src=group_src)
         return PendingRecv(buffer, work, group=self.group, what=self._what("receive from", group_src))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, *, peer: Peer = "prev") -> torch.Tensor:
@@ -495,7 +495,7 @@ class PipelineP2P:
         """How a timed-out wait names the op and its peer: "pipeline receive from pp stage 1 (global rank 3)"."""
         return f"pipeline {op} pp stage {peer} (global rank {self.ranks[peer]})"
 
-    def _track(self, work: dist.Work, group_dst: int) -> P2PWork:
+    def _track(self, work: p2p.Work, group_dst: int) -> P2PWork:
         pending = self._pending_sends
         while pending and pending[0].is_completed():
             pending.popleft()
@@ -506,11 +506,10 @@ class PipelineP2P:
         return handle
 
     def _batch(self, ops: list[tuple[Any, torch.Tensor, int]]) -> None:
-        p2p = [dist.P2POp(op, tensor, group=self.group, group_peer=peer) for op, tensor, peer in ops]
         stages = sorted({peer for _, _, peer in ops})
         peers = ", ".join(f"pp stage {p} (global rank {self.ranks[p]})" for p in stages)
         with waits.bounded(self.group, f"pipeline exchange with {peers}"):
-            for work in dist.batch_isend_irecv(p2p):
+            for work in p2p.batch_isend_irecv(ops, self.group):
                 work.wait()
 
 

@@ -92,10 +92,9 @@ PRELOAD = (
     "wf_mesh.ema",
     "wf_mesh.state_sync",
     "wf_mesh.pipeline",
-    "wf_mesh.legacy",
-    "wf_mesh.parallel_state",
 )
-"""Modules the fork server imports once, so that every worker starts with them (seconds of import each)."""
+"""Modules the fork server imports once, so that every worker starts with them (seconds of import each). Native
+modules only: a worker loads the legacy layer (and loguru) when a function it runs needs them."""
 
 
 class RemoteTraceback(Exception):
@@ -188,10 +187,15 @@ def _store_barrier(store: dist.Store, key: str, world_size: int) -> None:
 
 
 def _cleanup() -> None:
-    """Leave the worker as it started: no mesh, no subgroups, no legacy state, only the default group."""
-    from wf_mesh import parallel_state
+    """Leave the worker as it started: no mesh, no subgroups, no state of an upper layer (its registered
+    extensions reset), only the default group."""
+    from wf_mesh import mesh
 
-    parallel_state.destroy_model_parallel()
+    current = mesh.parallel_mesh_or_none()
+    if current is not None:
+        current.destroy()
+    else:
+        mesh.reset_extensions()
     destroy_subgroups()
     gc.collect()
 
@@ -300,6 +304,7 @@ class LocalCluster:
         for conn in self._conns:
             conn.send((fn, args, kwargs))
         replies = self._collect(timeout or self.timeout, what, ERROR_GRACE)
+        unclean_note = None
         if any(r is None for r in replies):
             self.shutdown(force=True)  # stopped after a peer raised, or dead: restart on the next call
         else:
@@ -308,7 +313,7 @@ class LocalCluster:
             if unclean:
                 self.shutdown(force=True)
                 rank, reply = unclean[0]
-                raise RuntimeError(
+                unclean_note = (
                     f"rank {rank} of {self.world_size} failed to clean up after {what} (the cluster will restart on "
                     f"the next call):\n{reply[1] if reply else 'no reply'}"
                 )
@@ -333,6 +338,13 @@ class LocalCluster:
                 outcomes.append(exc)
             else:
                 outcomes.append(reply[1])
+        if unclean_note is not None:
+            if not errors:
+                raise RuntimeError(unclean_note)
+            for _, rank in errors:  # the function's own error stays the one raised; the clean-up's is noted
+                exc = outcomes[rank]
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"then {unclean_note}")
         if return_exceptions or not errors:
             return outcomes
         raise outcomes[errors[0][1]]
