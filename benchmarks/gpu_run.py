@@ -24,7 +24,8 @@ goes on:
    against the float32 model: cp 2's error next to bf16's own.
 
 ``--device cpu`` is the dry run (the same stack minus CUDA, small sizes, wall-clock timing; the test suite runs
-it). Writes ``summary.md`` (every table), one ``STEP.txt`` per step and ``results.json``; exits 1 if a step failed.
+it). Writes ``summary.md`` (every table), one ``STEP.txt`` per step and ``results.json`` (five files); exits 1 if a
+step failed.
 """
 
 from __future__ import annotations
@@ -259,10 +260,11 @@ def run_step(name: str, device: str, out: Path) -> dict:
     """Run one step in a child process with its time limit; its record (also when it failed or hung)."""
     limit = STEPS[name][0] * (3 if device == "cpu" else 1)  # a shared CPU is slower than the GPU sizes assume
     t0 = time.time()
-    command = [sys.executable, __file__, "--step", name, "--device", device, "--out", str(out)]
+    scratch = Path(tempfile.mkdtemp(prefix=f"gpu_run_{name}_"))  # the child's record: not one of the run's files
+    command = [sys.executable, __file__, "--step", name, "--device", device, "--out", str(scratch)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
-        record_file = out / f"{name}.json"
+        record_file = scratch / f"{name}.json"
         record = json.loads(record_file.read_text()) if record_file.exists() else {"ok": False, "table": ""}
         if done.returncode != 0:
             record["ok"] = False
