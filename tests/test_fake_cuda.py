@@ -21,7 +21,7 @@ import torch
 from fake_cuda import fake_cuda, fake_process_group
 from torch.distributed.device_mesh import init_device_mesh
 
-from wf_mesh import agreement, attention_kernels, faults
+from wf_mesh import _compat, agreement, attention_kernels, faults
 from wf_mesh.attention import cp_attention
 from wf_mesh.attention_kernels import Kernel, attend, attend_backward
 from wf_mesh.attention_ops import RingAttention, RingPlan, rank_segments
@@ -167,3 +167,26 @@ def test_contained_attention_runs_the_same_kernels_and_closes_with_one_word(meth
     assert recorder.quadratic(S) == []
     closes = [op.name for op in recorder.ops if op.name == "c10d.allreduce_.default"]
     assert len(closes) == 1, sorted(recorder.names("c10d"))
+
+
+def test_the_efficient_backward_reads_out_in_its_forwards_layout():
+    """A merged ring output is (B, H, S, D)-contiguous; the memory-efficient backward must get it in the layout its
+    forward returns, (B, S, H, D) in memory: given the other, its 16-bit gradients were wrong on an H200."""
+    backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    seen = []
+
+    class OutArgument(_compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is backward:
+                seen.append(args[5].transpose(1, 2).is_contiguous())  # (grad_out, q, k, v, bias, out, ...)
+            return func(*args, **(kwargs or {}))
+
+    with fake_cuda():
+        q, dout = cuda(1, HEADS, S, HEAD_DIM), cuda(1, HEADS, S, HEAD_DIM)
+        pad = torch.zeros(1, S, dtype=torch.bool, device="cuda")
+        out, lse = attend(q, q, q, pad, False, 0.1, Kernel.EFFICIENT)
+        merged = torch.ops.aten.clone.default(out, memory_format=torch.contiguous_format)
+        assert merged.is_contiguous() and not merged.transpose(1, 2).is_contiguous()
+        with OutArgument():
+            attend_backward(dout, q, q, q, merged, lse, pad, False, 0.1, Kernel.EFFICIENT)
+    assert seen == [True]

@@ -435,7 +435,8 @@ def efficient_attention_cuda_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`efficient_attention_cuda` given ``out`` and ``lse`` (B, H, Sq); lse is padded
-    back to the kernel's 32-query alignment (its blocks read whole tiles of it).
+    back to the kernel's 32-query alignment (its blocks read whole tiles of it), and ``out`` is put in the
+    forward's own memory layout.
 
     Returns:
         ``(dq, dk, dv)``.
@@ -443,6 +444,9 @@ def efficient_attention_cuda_backward(
     sq = q.shape[2]
     padded = torch.nn.functional.pad(lse, (0, -sq % _EFFICIENT_LSE_ALIGN)).contiguous()
     rng = _no_rng_state(q)
+    # out in the layout the forward returns it, (B, S, H, D) in memory: given a (B, H, S, D)-contiguous out (a
+    # merged ring output), the 16-bit kernels return wrong dq, dk (seen on an H200, torch 2.11; float32 is right)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, bias, out, padded, rng, rng, 0.0, [True, True, True, False], is_causal, scale=scale
     )
