@@ -57,7 +57,7 @@ def raised_everywhere(outcomes, error, match):
     return messages
 
 
-class DataType(str, enum.Enum):
+class DataType(str, enum.Enum):  # noqa: UP042 (the (str, Enum) form real world-model code uses)
     """A str-Enum like the conditioners of real world-model code broadcast."""
 
     VIDEO = "video"
